@@ -1,0 +1,177 @@
+"""Residual low-rank adapters ``h_l = hbar_l + B_l A_l h_{l-1}`` attached by forward hooks.
+
+The hooks never edit the model: :meth:`ResidualAdapters.detach` leaves it bit-identical. The
+correction depends on the block's *input* and is added to its *output*, so it is not a function of
+any single linear layer's input and cannot be merged into the base weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .io import atomic_write_json, atomic_dir
+from .models import ModelParts, fingerprint
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_a(seed: int, layer: int, rank: int, d: int) -> Tensor:
+    """The fixed down-projection A_l (r×d), N(0, 1/d), rebuilt from ``(seed, layer)`` alone."""
+    key = hashlib.sha256(f"loca-A:{seed}:{layer}".encode()).digest()[:8]
+    gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
+    return torch.randn(rank, d, generator=gen) / d**0.5
+
+
+class Recorder:
+    """Collects, during one forward pass, the adapter codes ``p = A h_{l-1}`` at predict positions."""
+
+    def __init__(self, pos_b: Tensor, pos_t: Tensor, blocks: set[int] | None = None):
+        self.pos_b, self.pos_t = pos_b, pos_t
+        self.blocks = blocks
+        self.codes: dict[int, Tensor] = {}  # l -> p (N×r), float32
+        self.input_sumsq: dict[int, Tensor] = {}  # l -> Σ ||h_{l-1}||² over predict positions
+
+    def wants(self, layer: int) -> bool:
+        return self.blocks is None or layer in self.blocks
+
+
+class ResidualAdapters:
+    """One rank-r residual adapter per block, kept in float32 on the block's device."""
+
+    def __init__(self, parts: ModelParts, rank: int = 32, seed: int = 0):
+        self.parts, self.rank, self.seed = parts, rank, seed
+        d = parts.hidden_size
+        self.devices = [next(b.parameters()).device for b in parts.blocks]
+        self.A = [adapter_a(seed, i, rank, d).to(dev) for i, dev in enumerate(self.devices)]
+        self.B = [torch.zeros(d, rank, device=dev) for dev in self.devices]
+        self._handles: list = []
+        self._recorder: Recorder | None = None
+
+    # -- attach / detach -------------------------------------------------------------------
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self) -> ResidualAdapters:
+        if not self.attached:
+            self._handles = [
+                block.register_forward_hook(self._hook(i), with_kwargs=True)
+                for i, block in enumerate(self.parts.blocks)
+            ]
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> ResidualAdapters:
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    @contextmanager
+    def recording(self, recorder: Recorder) -> Iterator[Recorder]:
+        """Record adapter codes at the recorder's positions during the forward passes inside."""
+        self._recorder = recorder
+        try:
+            yield recorder
+        finally:
+            self._recorder = None
+
+    def _hook(self, layer: int):
+        def hook(module, args, kwargs, output):
+            h_in = args[0] if args else kwargs["hidden_states"]
+            rec = self._recorder
+            b = self.B[layer]
+            active = bool(b.any())
+            if rec is not None and rec.wants(layer):
+                rows = h_in[rec.pos_b, rec.pos_t].float()
+                rec.codes[layer] = rows @ self.A[layer].T
+                rec.input_sumsq[layer] = rows.pow(2).sum()
+            if not active:
+                return None
+            h_out = output[0] if isinstance(output, tuple) else output
+            delta = (h_in.float() @ self.A[layer].T) @ b.T
+            h_new = h_out + delta.to(h_out.dtype)
+            return (h_new, *output[1:]) if isinstance(output, tuple) else h_new
+
+        return hook
+
+    # -- state ------------------------------------------------------------------------------
+    def get_b(self) -> list[Tensor]:
+        return [b.detach().cpu().clone() for b in self.B]
+
+    def set_b(self, bs: list[Tensor]) -> None:
+        if len(bs) != len(self.B):
+            raise ValueError(f"expected {len(self.B)} B matrices, got {len(bs)}")
+        for i, b in enumerate(bs):
+            if b.shape != self.B[i].shape:
+                raise ValueError(f"B[{i}] has shape {tuple(b.shape)}, expected {tuple(self.B[i].shape)}")
+            self.B[i] = b.to(self.devices[i], torch.float32).clone()
+
+    def reset(self) -> None:
+        for b in self.B:
+            b.zero_()
+
+    def norm(self) -> float:
+        return float(sum(float(b.double().pow(2).sum()) for b in self.B) ** 0.5)
+
+    # -- save / load ------------------------------------------------------------------------
+    def config(self) -> dict:
+        return {
+            "format": "loca-adapter",
+            "version": 1,
+            "rank": self.rank,
+            "seed": self.seed,
+            "hidden_size": self.parts.hidden_size,
+            "num_blocks": self.parts.num_blocks,
+            "fingerprint": fingerprint(self.parts),
+        }
+
+    def save_pretrained(self, directory: str | Path, extra: dict | None = None) -> Path:
+        """Write ``adapter_model.safetensors`` (the B matrices) and ``adapter_config.json``.
+
+        A is not stored: it is rebuilt from the seed. The write is atomic.
+        """
+        with atomic_dir(directory) as tmp:
+            save_file({f"B.{i}": b.contiguous() for i, b in enumerate(self.get_b())}, tmp / ADAPTER_WEIGHTS)
+            atomic_write_json(tmp / ADAPTER_CONFIG, {**self.config(), **(extra or {})})
+        return Path(directory)
+
+    @classmethod
+    def from_pretrained(cls, parts: ModelParts, directory: str | Path) -> ResidualAdapters:
+        """Load adapters saved by :meth:`save_pretrained`; the checkpoint must match."""
+        directory = Path(directory)
+        cfg_path = directory / ADAPTER_CONFIG
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{cfg_path} not found: not a LoCA adapter folder")
+        cfg = json.loads(cfg_path.read_text())
+        check_fingerprint(cfg.get("fingerprint"), fingerprint(parts), str(directory))
+        adapters = cls(parts, rank=int(cfg["rank"]), seed=int(cfg["seed"]))
+        tensors = load_file(directory / ADAPTER_WEIGHTS)
+        adapters.set_b([tensors[f"B.{i}"] for i in range(parts.num_blocks)])
+        return adapters
+
+
+class CheckpointMismatchError(ValueError):
+    """An artefact was fitted on a different checkpoint than the model it is used with."""
+
+
+def check_fingerprint(saved: dict | None, current: dict, what: str) -> None:
+    if saved != current:
+        diff = [k for k in current if (saved or {}).get(k) != current[k]]
+        raise CheckpointMismatchError(
+            f"{what} was made for another checkpoint (differs in: {', '.join(diff) or 'all'}); "
+            "calibrate/fit again for this model"
+        )

@@ -1,0 +1,42 @@
+"""The ``loca`` command. Thin: every subcommand is a recipe module with ``add_arguments`` and
+``run``; the logic lives in the library."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> recipe module under loca.recipes
+RECIPES = {
+    "fit": "fit",
+    "calibrate": "calibrate",
+    "evaluate": "evaluate",
+    "tasks": "tasks",
+    "bench": "bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loca", description="Forward-only tuning of frozen language models (LoCA)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in RECIPES.items():
+        recipe = importlib.import_module(f"loca.recipes.{module}")
+        p = sub.add_parser(name, help=recipe.__doc__.strip().splitlines()[0], description=recipe.__doc__)
+        recipe.add_arguments(p)
+        p.set_defaults(_run=recipe.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"loca {args.command}: error: {exc}", file=sys.stderr)
+        return 2

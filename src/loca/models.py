@@ -1,0 +1,176 @@
+"""Model plumbing: load a causal LM, find its blocks, final norm and head, fingerprint it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .head import LogitTransform
+
+FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's layout is not one LoCA can attach to."""
+
+
+@dataclass
+class ModelParts:
+    """The pieces of a decoder-only LM that LoCA touches. Nothing here owns any weights."""
+
+    model: nn.Module
+    backbone: nn.Module
+    blocks: nn.ModuleList
+    final_norm: nn.Module
+    head: nn.Module
+    transform: LogitTransform
+    hidden_size: int
+    vocab_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    def final_hidden(self, input_ids, attention_mask, pos_b, pos_t, inputs_embeds=None):
+        """Normalised final hidden states ``n(h_L)`` at the predict positions (N×d).
+
+        The backbone is run without the LM head, so no logits are formed anywhere.
+        """
+        kwargs = dict(attention_mask=attention_mask, use_cache=False)
+        if inputs_embeds is None:
+            out = self.backbone(input_ids=input_ids, **kwargs)
+        else:
+            out = self.backbone(inputs_embeds=inputs_embeds, **kwargs)
+        return out.last_hidden_state[pos_b, pos_t]
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def logit_transform(config) -> LogitTransform:
+    """The fixed map from head outputs to logits that the model's own forward applies."""
+    cfg = _text_config(config)
+    scale = 1.0
+    if getattr(cfg, "logit_scale", None) is not None:  # Cohere: logits * logit_scale
+        scale *= float(cfg.logit_scale)
+    if getattr(cfg, "logits_scaling", None) is not None:  # Granite: logits / logits_scaling
+        scale /= float(cfg.logits_scaling)
+    softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
+    return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
+
+
+def find_parts(model: nn.Module) -> ModelParts:
+    """Locate backbone, block list, final norm and head of a Hugging Face causal LM.
+
+    The block list is the one ``nn.ModuleList`` in the backbone whose length equals the config's
+    number of layers; the final norm is found by its conventional attribute name.
+    """
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    backbone = getattr(model, "base_model", None)
+    if config is None or head is None or backbone is None or backbone is model:
+        raise UnsupportedModelError(
+            f"{name} is not a Hugging Face causal LM with a separate backbone and output head"
+        )
+    cfg = _text_config(config)
+    n_layers = getattr(cfg, "num_hidden_layers", None)
+    lists = [m for m in backbone.children() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    matching = [m for m in lists if n_layers is None or len(m) == n_layers]
+    if len(matching) != 1:
+        raise UnsupportedModelError(
+            f"{name}: expected exactly one list of {n_layers} transformer blocks in "
+            f"{type(backbone).__name__}, found {len(matching)}; LoCA supports decoder-only models "
+            "whose blocks form one list"
+        )
+    final_norm = next(
+        (getattr(backbone, n) for n in FINAL_NORM_NAMES if isinstance(getattr(backbone, n, None), nn.Module)),
+        None,
+    )
+    if final_norm is None:
+        raise UnsupportedModelError(
+            f"{name}: no final norm found on {type(backbone).__name__} (looked for {FINAL_NORM_NAMES})"
+        )
+    if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
+        raise UnsupportedModelError(f"{name}: the output head has no 2-D weight")
+    return ModelParts(
+        model=model,
+        backbone=backbone,
+        blocks=matching[0],
+        final_norm=final_norm,
+        head=head,
+        transform=logit_transform(config),
+        hidden_size=head.weight.shape[1],
+        vocab_size=head.weight.shape[0],
+    )
+
+
+def fingerprint(parts: ModelParts) -> dict:
+    """Identify a checkpoint: its config plus a hash of a few weight slices.
+
+    Slices are rounded to bfloat16 before hashing, so the same checkpoint loaded in float32 or
+    bfloat16 gives the same fingerprint, while different weights do not.
+    """
+    cfg = _text_config(parts.model.config)
+    digest = hashlib.sha256()
+    tensors = [
+        parts.head.weight[:64],
+        parts.model.get_input_embeddings().weight[-64:],
+        next(parts.blocks[0].parameters()),
+        next(parts.blocks[-1].parameters()),
+    ]
+    tensors += [p for p in parts.final_norm.parameters()]
+    for t in tensors:
+        flat = t.detach().reshape(-1)[:65536].to("cpu", torch.bfloat16).float()
+        digest.update(flat.numpy().tobytes())
+    return {
+        "model_type": getattr(cfg, "model_type", type(parts.model).__name__),
+        "hidden_size": parts.hidden_size,
+        "num_blocks": parts.num_blocks,
+        "vocab_size": parts.vocab_size,
+        "weights_sha256": digest.hexdigest(),
+    }
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(name: str, device: str | None = None, dtype: str = "float32"):
+    """Load ``(model, tokenizer)`` from a local folder, a built-in offline alias or a hub id.
+
+    The model is put in eval mode with every parameter frozen (``requires_grad=False``).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .zoo import ALIASES, ensure_alias
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    path: str | Path = name
+    if name in ALIASES:
+        path = ensure_alias(name)
+    elif not Path(name).exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in name:
+        raise ValueError(
+            f"model {name!r} is neither a folder nor a built-in alias ({', '.join(ALIASES)})"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model.to(resolve_device(device)).eval()
+    model.requires_grad_(False)
+    return model, tokenizer

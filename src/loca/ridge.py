@@ -1,0 +1,156 @@
+"""Pure tensor math of LoCA: feedback-map ridge fits, Stage II statistics and block solves.
+
+Nothing here touches a model. Solves run in float64 with Cholesky factorisations (never an
+explicit inverse); regularisers are relative to the data scale so one value transfers across
+data sizes and models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class NonFiniteStatisticsError(FloatingPointError):
+    """A Stage II statistic or solve produced NaN or Inf."""
+
+
+def _check_finite(name: str, *tensors: Tensor) -> None:
+    for t in tensors:
+        if not torch.isfinite(t).all():
+            raise NonFiniteStatisticsError(f"{name} contains NaN or Inf")
+
+
+def _cholesky(matrix: Tensor, what: str) -> Tensor:
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) != 0:
+        raise NonFiniteStatisticsError(
+            f"{what} is not positive definite (Cholesky failed at minor {int(info)}); "
+            "increase the relative ridge or check the data"
+        )
+    return factor
+
+
+@dataclass
+class FeedbackFactors:
+    """One block's rank-k feedback map ``F = us · v^T`` (d×k factors, never the d×d map)."""
+
+    us: Tensor  # U_k Σ_k, d×k
+    v: Tensor  # V_k, d×k, orthonormal columns
+
+    def apply(self, errors: Tensor) -> Tensor:
+        """Map head errors (N×d) to predicted hidden-state gradients (N×d)."""
+        return (errors @ self.v) @ self.us.T
+
+
+def feedback_factors(
+    errors: Tensor, grads: Sequence[Tensor], beta_rel: float, rank: int
+) -> list[FeedbackFactors]:
+    """Ridge-fit ``F_l = argmin ||F E^T − G_l^T||² + β||F||²`` for every block, truncated to rank k.
+
+    ``errors`` is E (N×d), ``grads`` the per-block G_l (N×d). β = β_rel · trace(E^T E)/d.
+    With N ≤ d the dual form ``F = G^T (E E^T + βI)^{-1} E`` is used: one N×N Cholesky shared by all
+    blocks, then a thin QR of E^T so that the SVD is of a d×N matrix. With N > d the primal
+    ``F = G^T E (E^T E + βI)^{-1}`` is cheaper; its d×d SVD input is transient and never stored.
+    """
+    e = errors.to(torch.float64)
+    n, d = e.shape
+    if n == 0:
+        raise ValueError("cannot fit feedback maps from zero probe positions")
+    _check_finite("probe head errors", e)
+    rank = min(rank, n, d)
+    beta = beta_rel * float((e * e).sum()) / d
+    eye = torch.eye(min(n, d), dtype=torch.float64, device=e.device)
+    if n <= d:
+        factor = _cholesky(e @ e.T + beta * eye, "E E^T + βI")
+        q, r = torch.linalg.qr(e.T)  # E^T = Q R, Q d×N
+    else:
+        factor = _cholesky(e.T @ e + beta * eye, "E^T E + βI")
+    out = []
+    for g in grads:
+        g = g.to(torch.float64)
+        _check_finite("probe gradients", g)
+        if n <= d:
+            w = torch.cholesky_solve(g, factor).T @ r.T  # G^T K^{-1} R^T, d×N
+            u, s, vh = torch.linalg.svd(w, full_matrices=False)
+            v = q @ vh[:rank].T
+        else:
+            w = torch.cholesky_solve(e.T @ g, factor).T  # G^T E S^{-1}, d×d (transient)
+            u, s, vh = torch.linalg.svd(w)
+            v = vh[:rank].T
+        out.append(FeedbackFactors(us=(u[:, :rank] * s[:rank]).float(), v=v.float()))
+    return out
+
+
+def alignment(factors: FeedbackFactors, errors: Tensor, grads: Tensor) -> float:
+    """Frobenius cosine between the mapped errors ``F E^T`` and the true gradients ``G^T``."""
+    pred = factors.apply(errors.to(factors.v.dtype)).double()
+    g = grads.double()
+    denom = float(pred.norm() * g.norm())
+    return float((pred * g).sum()) / denom if denom > 0 else 0.0
+
+
+def random_factors(d: int, rank: int, generator: torch.Generator) -> FeedbackFactors:
+    """A random rank-k map of the same shape, the chance baseline for :func:`alignment`."""
+    us = torch.randn(d, rank, generator=generator)
+    v, _ = torch.linalg.qr(torch.randn(d, rank, generator=generator))
+    return FeedbackFactors(us=us, v=v)
+
+
+@dataclass
+class BlockStats:
+    """The persistent Stage II statistics of one block: r² + k·r numbers, independent of d and N.
+
+    ``gram`` is G = Σ p p^T (r×r). ``cross`` is Σ_batches s · Y P with Y = V_k^T E^T (k×N), so
+    that Σ ρ p^T = B G − η (U_k Σ_k) · cross (the spec's U_k M with M = Σ s Σ_k Y P).
+    """
+
+    gram: Tensor
+    cross: Tensor
+    positions: int = 0
+
+    @classmethod
+    def zeros(cls, rank: int, k: int, device: torch.device | str = "cpu") -> BlockStats:
+        z = dict(dtype=torch.float64, device=device)
+        return cls(gram=torch.zeros(rank, rank, **z), cross=torch.zeros(k, rank, **z))
+
+    def add_inputs(self, p: Tensor) -> None:
+        """Accumulate the Gram matrix of the adapter codes ``p = A h_{l-1}`` (N×r)."""
+        p = p.double()
+        self.gram += p.T @ p
+        self.positions += p.shape[0]
+
+    def add_targets(self, p: Tensor, h_sumsq: Tensor | float, y: Tensor, sigma: Tensor) -> float:
+        """Accumulate one batch's target statistic and return its step scale ``s``.
+
+        ``y = E V_k`` (N×k), ``sigma`` the singular values (k). The scale-normalised step is
+        ``s = RMS(H_{l-1}) / RMS(Q)`` with ``Q = F E^T``; both RMS share the N·d denominator, and
+        ``||Q||_F = ||Σ_k Y||_F`` since U_k is orthonormal, so ``s = ||H||_F / ||Σ_k Y||_F``.
+        """
+        ys = y.double() * sigma.double()
+        q_norm = float(ys.norm())
+        s = float(h_sumsq) ** 0.5 / q_norm if q_norm > 0 else 0.0
+        self.cross += s * (ys.T @ p.double())
+        return s
+
+
+def relative_ridge(gram: Tensor, lam_rel: float) -> float:
+    """λ = λ_rel · trace(G)/r."""
+    return lam_rel * float(torch.trace(gram)) / gram.shape[0]
+
+
+def solve_block(b: Tensor, stats: BlockStats, us: Tensor, eta: float, lam_rel: float) -> Tensor:
+    """One closed-form adapter update ``B ← (B G − η U_k Σ_k · cross)(G + λI)^{-1}``."""
+    g = stats.gram
+    _check_finite("adapter statistics", g, stats.cross)
+    if float(torch.trace(g)) <= 0:
+        raise ValueError("no adapter inputs were accumulated (empty Gram matrix)")
+    c = b.double() @ g - eta * (us.double() @ stats.cross)
+    lam = relative_ridge(g, lam_rel)
+    factor = _cholesky(g + lam * torch.eye(g.shape[0], dtype=g.dtype, device=g.device), "G + λI")
+    new_b = torch.cholesky_solve(c.T, factor).T
+    _check_finite("adapter solve", new_b)
+    return new_b.to(b.dtype)
