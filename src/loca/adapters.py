@@ -62,7 +62,12 @@ class ResidualAdapters:
         return bool(self._handles)
 
     def attach(self) -> ResidualAdapters:
+        """Hook the adapters into the model. Only one set may be attached to a model at a time."""
+        owner = getattr(self.parts.model, "_loca_adapters", None)
+        if owner is not None and owner is not self:
+            raise RuntimeError("another set of LoCA adapters is attached to this model; detach it first")
         if not self.attached:
+            self.parts.model._loca_adapters = self
             self._handles = [
                 block.register_forward_hook(self._hook(i), with_kwargs=True)
                 for i, block in enumerate(self.parts.blocks)
@@ -73,6 +78,8 @@ class ResidualAdapters:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if getattr(self.parts.model, "_loca_adapters", None) is self:
+            del self.parts.model._loca_adapters
 
     def __enter__(self) -> ResidualAdapters:
         return self.attach()

@@ -41,6 +41,9 @@ class FeedbackFactors:
     us: Tensor  # U_k Σ_k, d×k
     v: Tensor  # V_k, d×k, orthonormal columns
 
+    def to_device(self, device: torch.device | str) -> FeedbackFactors:
+        return FeedbackFactors(self.us.to(device), self.v.to(device))
+
     def apply(self, errors: Tensor) -> Tensor:
         """Map head errors (N×d) to predicted hidden-state gradients (N×d)."""
         return (errors @ self.v) @ self.us.T
@@ -105,7 +108,8 @@ class BlockStats:
     """The persistent Stage II statistics of one block: r² + k·r numbers, independent of d and N.
 
     ``gram`` is G = Σ p p^T (r×r). ``cross`` is Σ_batches s · Y P with Y = V_k^T E^T (k×N), so
-    that Σ ρ p^T = B G − η (U_k Σ_k) · cross (the spec's U_k M with M = Σ s Σ_k Y P).
+    that Σ ρ p^T = B G − η (U_k Σ_k) · cross (the spec's U_k M with M = Σ s Σ_k Y P; keeping Σ_k
+    inside the stored factor ``us`` avoids dividing by small singular values).
     """
 
     gram: Tensor
@@ -130,10 +134,10 @@ class BlockStats:
         ``s = RMS(H_{l-1}) / RMS(Q)`` with ``Q = F E^T``; both RMS share the N·d denominator, and
         ``||Q||_F = ||Σ_k Y||_F`` since U_k is orthonormal, so ``s = ||H||_F / ||Σ_k Y||_F``.
         """
-        ys = y.double() * sigma.double()
-        q_norm = float(ys.norm())
+        y = y.double()
+        q_norm = float((y * sigma.double()).norm())
         s = float(h_sumsq) ** 0.5 / q_norm if q_norm > 0 else 0.0
-        self.cross += s * (ys.T @ p.double())
+        self.cross += s * (y.T @ p.double())
         return s
 
 

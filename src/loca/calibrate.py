@@ -1,0 +1,197 @@
+"""Stage I: one probe backward pass, then per-block rank-k feedback maps ``F_l: e -> g_l``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .adapters import check_fingerprint
+from .data.batching import Encoded, make_batches, pad_token_id
+from .head import head_loss_and_error
+from .io import atomic_dir, atomic_write_json
+from .models import ModelParts, fingerprint
+from .ridge import FeedbackFactors, alignment, feedback_factors, random_factors
+from .versions import versions
+
+MAPS_WEIGHTS = "feedback_maps.safetensors"
+MAPS_CONFIG = "feedback_config.json"
+
+
+@dataclass
+class FeedbackMaps:
+    """The calibrated maps of every block, as factors, with the checkpoint they belong to."""
+
+    factors: list[FeedbackFactors]
+    fingerprint: dict
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.factors[0].v.shape[1]
+
+    def sigma(self, layer: int) -> Tensor:
+        """Singular values of block ``layer``'s map (the column norms of U_k Σ_k)."""
+        return self.factors[layer].us.norm(dim=0)
+
+    def to_blocks(self, parts: ModelParts) -> FeedbackMaps:
+        """Move each block's factors to that block's device."""
+        devices = [next(b.parameters()).device for b in parts.blocks]
+        moved = [FeedbackFactors(f.us.to(d), f.v.to(d)) for f, d in zip(self.factors, devices, strict=True)]
+        return FeedbackMaps(moved, self.fingerprint, self.meta)
+
+    def nbytes(self) -> int:
+        return sum(f.us.numel() * f.us.element_size() + f.v.numel() * f.v.element_size() for f in self.factors)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        with atomic_dir(directory) as tmp:
+            tensors = {}
+            for i, f in enumerate(self.factors):
+                tensors[f"us.{i}"] = f.us.detach().cpu().contiguous()
+                tensors[f"v.{i}"] = f.v.detach().cpu().contiguous()
+            save_file(tensors, tmp / MAPS_WEIGHTS)
+            atomic_write_json(
+                tmp / MAPS_CONFIG,
+                {"format": "loca-feedback-maps", "version": 1, "fingerprint": self.fingerprint, **self.meta},
+            )
+        return Path(directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, parts: ModelParts | None = None) -> FeedbackMaps:
+        """Load maps; with ``parts``, refuse maps calibrated on another checkpoint."""
+        directory = Path(directory)
+        cfg_path = directory / MAPS_CONFIG
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{cfg_path} not found: not a LoCA feedback-map folder")
+        cfg = json.loads(cfg_path.read_text())
+        if parts is not None:
+            check_fingerprint(cfg.get("fingerprint"), fingerprint(parts), f"feedback maps {directory}")
+        tensors = load_file(directory / MAPS_WEIGHTS)
+        n = cfg["fingerprint"]["num_blocks"]
+        factors = [FeedbackFactors(tensors[f"us.{i}"], tensors[f"v.{i}"]) for i in range(n)]
+        meta = {k: v for k, v in cfg.items() if k not in ("format", "version", "fingerprint")}
+        maps = cls(factors, cfg["fingerprint"], meta)
+        return maps.to_blocks(parts) if parts is not None else maps
+
+
+def probe_gradients(
+    parts: ModelParts, items: Sequence[Encoded], micro_batch: int, pad_id: int
+) -> tuple[Tensor, list[Tensor]]:
+    """Head errors E (N×d) and true block-output gradients G_l (N×d) at every predict position.
+
+    One forward and one backward pass per micro-batch: the backward starts from ``n(h_L)`` with the
+    exact head error as its incoming gradient, so no logits enter the autograd graph, and no
+    parameter gradients are taken (only the input embeddings require grad). Peak memory is that
+    of one micro-batch's forward+backward.
+    """
+    errors: list[Tensor] = []
+    grads: list[list[Tensor]] = [[] for _ in parts.blocks]
+    embed = parts.model.get_input_embeddings()
+    for batch in make_batches(items, pad_id, batch_size=micro_batch):
+        b = batch.to(parts.device)
+        captured: dict[int, Tensor] = {}
+
+        def make_hook(layer: int):
+            def save_grad(g: Tensor) -> None:
+                captured[layer] = g[b.pos_b, b.pos_t].detach().float()
+
+            def hook(module, args, output):
+                out = output[0] if isinstance(output, tuple) else output
+                out.register_hook(save_grad)
+
+            return hook
+
+        handles = [blk.register_forward_hook(make_hook(i)) for i, blk in enumerate(parts.blocks)]
+        try:
+            with torch.enable_grad():
+                embeds = embed(b.input_ids).detach().requires_grad_(True)
+                hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t, inputs_embeds=embeds)
+                with torch.no_grad():
+                    _, e = head_loss_and_error(hn.detach(), parts.head.weight, parts.head.bias, b.targets, parts.transform)
+                hn.backward(e.to(hn.dtype))
+        finally:
+            for h in handles:
+                h.remove()
+        if len(captured) != parts.num_blocks:
+            raise RuntimeError(f"captured gradients for {len(captured)} of {parts.num_blocks} blocks")
+        errors.append(e.float())
+        for i in range(parts.num_blocks):
+            grads[i].append(captured[i])
+    return torch.cat(errors), [torch.cat(g) for g in grads]
+
+
+def select_probe(items: Sequence[Encoded], n_positions: int, seed: int) -> list[Encoded]:
+    """A seeded subset of ``items`` with at least ``n_positions`` predict positions (or all)."""
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    chosen, total = [], 0
+    for i in order:
+        if total >= n_positions:
+            break
+        chosen.append(items[i])
+        total += len(items[i].completion)
+    return chosen
+
+
+def calibrate(
+    parts: ModelParts,
+    probe: Sequence[Encoded],
+    heldout_probe: Sequence[Encoded] = (),
+    *,
+    rank: int = 8,
+    beta_rel: float = 1e-3,
+    micro_batch: int = 8,
+    pad_id: int = 0,
+    seed: int = 0,
+) -> FeedbackMaps:
+    """Fit every block's feedback map from one probe pass and report alignment diagnostics.
+
+    ``probe`` are encoded training sequences (see :func:`select_probe`); ``heldout_probe``, if
+    given, only serves the held-out alignment diagnostic.
+    """
+    if not probe:
+        raise ValueError("the calibration probe is empty")
+    was_training = parts.model.training
+    parts.model.eval()
+    try:
+        errors, grads = probe_gradients(parts, probe, micro_batch, pad_id)
+        factors = feedback_factors(errors, grads, beta_rel, rank)
+        gen = torch.Generator().manual_seed(seed)
+        d = parts.hidden_size
+        random_maps = [random_factors(d, factors[0].v.shape[1], gen) for _ in factors]
+        diag = {
+            "probe": [alignment(f.to_device(errors.device), errors, g) for f, g in zip(factors, grads, strict=True)],
+            "random": [
+                alignment(r.to_device(errors.device), errors, g) for r, g in zip(random_maps, grads, strict=True)
+            ],
+        }
+        if heldout_probe:
+            h_err, h_grads = probe_gradients(parts, heldout_probe, micro_batch, pad_id)
+            diag["heldout"] = [
+                alignment(f.to_device(h_err.device), h_err, g) for f, g in zip(factors, h_grads, strict=True)
+            ]
+    finally:
+        parts.model.train(was_training)
+    if max(diag["probe"]) <= 0:
+        warnings.warn(
+            "LoCA calibration: feedback alignment is non-positive in every block; the maps carry no "
+            "gradient information and Stage II will not improve the model",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    meta = {
+        "feedback_rank": factors[0].v.shape[1],
+        "beta_rel": beta_rel,
+        "probe_sequences": len(probe),
+        "probe_positions": int(errors.shape[0]),
+        "heldout_probe_positions": int(h_err.shape[0]) if heldout_probe else 0,
+        "alignment": diag,
+        "versions": versions(),
+    }
+    maps = FeedbackMaps([FeedbackFactors(f.us.cpu(), f.v.cpu()) for f in factors], fingerprint(parts), meta)
+    return maps.to_blocks(parts)

@@ -1,0 +1,82 @@
+"""Residual adapters: identities, hooks, seeds, state, save/load and the checkpoint guard."""
+
+import pytest
+import torch
+
+from loca.adapters import CheckpointMismatchError, ResidualAdapters, adapter_a
+from loca.data.batching import make_batches
+from synthetic import sequences, tiny_llama
+
+
+def logits(model, batch):
+    with torch.no_grad():
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+
+
+def test_b_zero_is_exactly_frozen_and_detach_is_bit_identical():
+    model, parts = tiny_llama()
+    batch = make_batches(sequences(6), pad_id=0)[0]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = logits(model, batch)
+    adapters = ResidualAdapters(parts, rank=4).attach()
+    assert torch.equal(logits(model, batch), before)
+    adapters.B[1] = torch.randn_like(adapters.B[1])
+    assert not torch.allclose(logits(model, batch), before)
+    adapters.detach()
+    assert torch.equal(logits(model, batch), before)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert not any(b._forward_hooks for b in parts.blocks)
+
+
+def test_correction_is_b_a_of_the_block_input():
+    model, parts = tiny_llama(layers=2)
+    batch = make_batches(sequences(3), pad_id=0)[0]
+    captured = {}
+    h = parts.blocks[0].register_forward_hook(lambda m, a, o: captured.setdefault("out", o))
+    parts.blocks[0].register_forward_pre_hook(lambda m, a: captured.setdefault("in", a[0]))
+    adapters = ResidualAdapters(parts, rank=4).attach()
+    adapters.B[0] = torch.randn_like(adapters.B[0])
+    seen = {}
+    parts.blocks[1].register_forward_pre_hook(lambda m, a: seen.setdefault("h1", a[0]))
+    logits(model, batch)
+    h.remove()
+    want = captured["out"] + (captured["in"].float() @ adapters.A[0].T @ adapters.B[0].T).double()
+    torch.testing.assert_close(seen["h1"], want)
+
+
+def test_a_is_rebuilt_from_seed_and_layer():
+    a = adapter_a(7, 3, 8, 64)
+    assert torch.equal(a, adapter_a(7, 3, 8, 64))
+    assert not torch.equal(a, adapter_a(7, 4, 8, 64))
+    assert not torch.equal(a, adapter_a(8, 3, 8, 64))
+    assert a.std().item() == pytest.approx(64**-0.5, rel=0.15)
+
+
+def test_fp32_adapters_on_bf16_backbone():
+    model, parts = tiny_llama(dtype=torch.bfloat16)
+    adapters = ResidualAdapters(parts, rank=4).attach()
+    assert all(x.dtype == torch.float32 for x in adapters.A + adapters.B)
+    adapters.B[0] = torch.randn_like(adapters.B[0])
+    out = logits(model, make_batches(sequences(2), pad_id=0)[0])
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_save_load_roundtrip_and_wrong_checkpoint(tmp_path):
+    model, parts = tiny_llama()
+    adapters = ResidualAdapters(parts, rank=4, seed=5)
+    adapters.set_b([torch.randn_like(b) for b in adapters.B])
+    adapters.save_pretrained(tmp_path / "ad")
+    loaded = ResidualAdapters.from_pretrained(parts, tmp_path / "ad")
+    assert loaded.seed == 5 and loaded.rank == 4
+    assert all(torch.equal(x, y) for x, y in zip(loaded.B, adapters.B))
+    assert all(torch.equal(x, y) for x, y in zip(loaded.A, adapters.A))
+    _, other = tiny_llama(seed=1)
+    with pytest.raises(CheckpointMismatchError, match="another checkpoint"):
+        ResidualAdapters.from_pretrained(other, tmp_path / "ad")
+
+
+def test_set_b_rejects_wrong_shapes():
+    _, parts = tiny_llama()
+    adapters = ResidualAdapters(parts, rank=4)
+    with pytest.raises(ValueError, match="shape"):
+        adapters.set_b([torch.zeros(3, 3)] * parts.num_blocks)
