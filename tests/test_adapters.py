@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from synthetic import sequences, tiny_llama
 
 from loca.adapters import CheckpointMismatchError, ResidualAdapters, adapter_a
 from loca.data.batching import make_batches
-from synthetic import sequences, tiny_llama
 
 
 def logits(model, batch):
@@ -68,8 +68,8 @@ def test_save_load_roundtrip_and_wrong_checkpoint(tmp_path):
     adapters.save_pretrained(tmp_path / "ad")
     loaded = ResidualAdapters.from_pretrained(parts, tmp_path / "ad")
     assert loaded.seed == 5 and loaded.rank == 4
-    assert all(torch.equal(x, y) for x, y in zip(loaded.B, adapters.B))
-    assert all(torch.equal(x, y) for x, y in zip(loaded.A, adapters.A))
+    assert all(torch.equal(x, y) for x, y in zip(loaded.B, adapters.B, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(loaded.A, adapters.A, strict=True))
     _, other = tiny_llama(seed=1)
     with pytest.raises(CheckpointMismatchError, match="another checkpoint"):
         ResidualAdapters.from_pretrained(other, tmp_path / "ad")

@@ -3,12 +3,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from synthetic import sequences, tiny_llama
 
 from loca.adapters import CheckpointMismatchError
 from loca.calibrate import FeedbackMaps, calibrate, probe_gradients, select_probe
 from loca.data.batching import make_batches
 from loca.ridge import feedback_factors
-from synthetic import sequences, tiny_llama
 
 
 def reference_gradients(model, parts, batch):
@@ -69,7 +69,8 @@ def test_calibrate_fits_the_dual_ridge_and_reports_alignment(tmp_path):
 
     maps.save_pretrained(tmp_path / "maps")
     loaded = FeedbackMaps.from_pretrained(tmp_path / "maps", parts)
-    assert all(torch.equal(a.us, b.us) and torch.equal(a.v, b.v) for a, b in zip(loaded.factors, maps.factors))
+    pairs = zip(loaded.factors, maps.factors, strict=True)
+    assert all(torch.equal(a.us, b.us) and torch.equal(a.v, b.v) for a, b in pairs)
     assert loaded.meta["alignment"] == maps.meta["alignment"]
     _, other = tiny_llama(seed=3)
     with pytest.raises(CheckpointMismatchError):

@@ -13,7 +13,14 @@ from loca.ridge import (
     solve_block,
 )
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def primal_map(e, g, beta_rel):
@@ -38,7 +45,7 @@ def test_feedback_factors_match_primal_ridge_and_svd(n, d, k):
     e = torch.randn(n, d, generator=gen)
     grads = [torch.randn(n, d, generator=gen) @ torch.randn(d, d, generator=gen) for _ in range(3)]
     factors = feedback_factors(e, grads, beta_rel=1e-2, rank=k)
-    for f, g in zip(factors, grads):
+    for f, g in zip(factors, grads, strict=True):
         dense = primal_map(e, g, 1e-2)
         kk = min(k, n, d)
         want = truncate(dense, kk)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .io import atomic_write_json, atomic_dir
+from .io import atomic_dir, atomic_write_json
 from .models import ModelParts, fingerprint
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -28,7 +28,7 @@ def adapter_a(seed: int, layer: int, rank: int, d: int) -> Tensor:
     """The fixed down-projection A_l (r×d), N(0, 1/d), rebuilt from ``(seed, layer)`` alone."""
     key = hashlib.sha256(f"loca-A:{seed}:{layer}".encode()).digest()[:8]
     gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
-    return torch.randn(rank, d, generator=gen) / d**0.5
+    return torch.randn(rank, d, generator=gen, dtype=torch.float32) / d**0.5
 
 
 class Recorder:
@@ -52,7 +52,7 @@ class ResidualAdapters:
         d = parts.hidden_size
         self.devices = [next(b.parameters()).device for b in parts.blocks]
         self.A = [adapter_a(seed, i, rank, d).to(dev) for i, dev in enumerate(self.devices)]
-        self.B = [torch.zeros(d, rank, device=dev) for dev in self.devices]
+        self.B = [torch.zeros(d, rank, dtype=torch.float32, device=dev) for dev in self.devices]
         self._handles: list = []
         self._recorder: Recorder | None = None
 

@@ -6,6 +6,7 @@ import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .adapters import check_fingerprint
-from .data.batching import Encoded, make_batches, pad_token_id
+from .data.batching import Encoded, make_batches
 from .head import head_loss_and_error
 from .io import atomic_dir, atomic_write_json
 from .models import ModelParts, fingerprint
@@ -47,7 +48,9 @@ class FeedbackMaps:
         return FeedbackMaps(moved, self.fingerprint, self.meta)
 
     def nbytes(self) -> int:
-        return sum(f.us.numel() * f.us.element_size() + f.v.numel() * f.v.element_size() for f in self.factors)
+        return sum(
+            f.us.numel() * f.us.element_size() + f.v.numel() * f.v.element_size() for f in self.factors
+        )
 
     def save_pretrained(self, directory: str | Path) -> Path:
         with atomic_dir(directory) as tmp:
@@ -96,24 +99,16 @@ def probe_gradients(
     for batch in make_batches(items, pad_id, batch_size=micro_batch):
         b = batch.to(parts.device)
         captured: dict[int, Tensor] = {}
-
-        def make_hook(layer: int):
-            def save_grad(g: Tensor) -> None:
-                captured[layer] = g[b.pos_b, b.pos_t].detach().float()
-
-            def hook(module, args, output):
-                out = output[0] if isinstance(output, tuple) else output
-                out.register_hook(save_grad)
-
-            return hook
-
+        make_hook = partial(_grad_capture_hook, captured, b.pos_b, b.pos_t)
         handles = [blk.register_forward_hook(make_hook(i)) for i, blk in enumerate(parts.blocks)]
         try:
             with torch.enable_grad():
                 embeds = embed(b.input_ids).detach().requires_grad_(True)
                 hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t, inputs_embeds=embeds)
                 with torch.no_grad():
-                    _, e = head_loss_and_error(hn.detach(), parts.head.weight, parts.head.bias, b.targets, parts.transform)
+                    _, e = head_loss_and_error(
+                        hn.detach(), parts.head.weight, parts.head.bias, b.targets, parts.transform
+                    )
                 hn.backward(e.to(hn.dtype))
         finally:
             for h in handles:
@@ -124,6 +119,19 @@ def probe_gradients(
         for i in range(parts.num_blocks):
             grads[i].append(captured[i])
     return torch.cat(errors), [torch.cat(g) for g in grads]
+
+
+def _grad_capture_hook(captured: dict[int, Tensor], pos_b: Tensor, pos_t: Tensor, layer: int):
+    """A forward hook that stores dLoss/dh_layer at the predict positions during backward."""
+
+    def save_grad(g: Tensor) -> None:
+        captured[layer] = g[pos_b, pos_t].detach().float()
+
+    def hook(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        out.register_hook(save_grad)
+
+    return hook
 
 
 def select_probe(items: Sequence[Encoded], n_positions: int, seed: int) -> list[Encoded]:
@@ -165,9 +173,12 @@ def calibrate(
         d = parts.hidden_size
         random_maps = [random_factors(d, factors[0].v.shape[1], gen) for _ in factors]
         diag = {
-            "probe": [alignment(f.to_device(errors.device), errors, g) for f, g in zip(factors, grads, strict=True)],
+            "probe": [
+                alignment(f.to_device(errors.device), errors, g) for f, g in zip(factors, grads, strict=True)
+            ],
             "random": [
-                alignment(r.to_device(errors.device), errors, g) for r, g in zip(random_maps, grads, strict=True)
+                alignment(r.to_device(errors.device), errors, g)
+                for r, g in zip(random_maps, grads, strict=True)
             ],
         }
         if heldout_probe:

@@ -49,7 +49,9 @@ class LocaConfig:
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
-            raise ValueError(f"invalid LocaConfig values: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
+            raise ValueError(
+                f"invalid LocaConfig values: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)

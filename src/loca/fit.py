@@ -151,7 +151,16 @@ def fit(
     if not math.isfinite(frozen_ce):
         adapters.detach()
         raise NonFiniteStatisticsError(f"the frozen model's held-out CE is {frozen_ce}")
-    log({"iteration": 0, "eta": None, "lam_rel": None, "heldout_ce": frozen_ce, "train_ce": None, "b_norm": 0.0})
+    log(
+        {
+            "iteration": 0,
+            "eta": None,
+            "lam_rel": None,
+            "heldout_ce": frozen_ce,
+            "train_ce": None,
+            "b_norm": 0.0,
+        }
+    )
     best = {"ce": frozen_ce, "b": zero, "eta": None, "lam_rel": None, "iteration": 0}
     trajectories = [Trajectory(eta, lam, zero, frozen_ce) for eta in etas for lam in lam_rels]
     shared: tuple[dict[int, BlockStats], TokenCE] | None = None
@@ -183,8 +192,13 @@ def fit(
                     continue
                 traj.b = adapters.get_b()
                 row = {
-                    "iteration": it, "eta": traj.eta, "lam_rel": traj.lam_rel, "heldout_ce": ce_now,
-                    "train_ce": train_ce, "b_norm": adapters.norm(), "time_s": time.perf_counter() - t0,
+                    "iteration": it,
+                    "eta": traj.eta,
+                    "lam_rel": traj.lam_rel,
+                    "heldout_ce": ce_now,
+                    "train_ce": train_ce,
+                    "b_norm": adapters.norm(),
+                    "time_s": time.perf_counter() - t0,
                 }
                 log(row)
                 if ce_now < traj.best_ce:
@@ -194,7 +208,13 @@ def fit(
                     if traj.since_best >= patience:
                         traj.stopped = f"patience ({patience}) at iteration {it}"
                 if ce_now < best["ce"]:
-                    best = {"ce": ce_now, "b": traj.b, "eta": traj.eta, "lam_rel": traj.lam_rel, "iteration": it}
+                    best = {
+                        "ce": ce_now,
+                        "b": traj.b,
+                        "eta": traj.eta,
+                        "lam_rel": traj.lam_rel,
+                        "iteration": it,
+                    }
                     if on_improve:
                         on_improve(adapters, row)
             bar.set_postfix(heldout_ce=f"{best['ce']:.4f}", best_it=best["iteration"])

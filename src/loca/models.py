@@ -166,9 +166,7 @@ def load_model(name: str, device: str | None = None, dtype: str = "float32"):
     if name in ALIASES:
         path = ensure_alias(name)
     elif not Path(name).exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in name:
-        raise ValueError(
-            f"model {name!r} is neither a folder nor a built-in alias ({', '.join(ALIASES)})"
-        )
+        raise ValueError(f"model {name!r} is neither a folder nor a built-in alias ({', '.join(ALIASES)})")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     model.to(resolve_device(device)).eval()

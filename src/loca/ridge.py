@@ -98,8 +98,8 @@ def alignment(factors: FeedbackFactors, errors: Tensor, grads: Tensor) -> float:
 
 def random_factors(d: int, rank: int, generator: torch.Generator) -> FeedbackFactors:
     """A random rank-k map of the same shape, the chance baseline for :func:`alignment`."""
-    us = torch.randn(d, rank, generator=generator)
-    v, _ = torch.linalg.qr(torch.randn(d, rank, generator=generator))
+    us = torch.randn(d, rank, generator=generator, dtype=torch.float32)
+    v, _ = torch.linalg.qr(torch.randn(d, rank, generator=generator, dtype=torch.float32))
     return FeedbackFactors(us=us, v=v)
 
 

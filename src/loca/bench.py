@@ -1,0 +1,107 @@
+"""Resource measurement: wall time and peak memory beyond the loaded model, per phase.
+
+GPU: ``torch.cuda.max_memory_allocated`` after a reset, minus the allocation before the phase.
+CPU: process RSS sampled by a background thread during the phase (peak and median), minus the
+RSS before it. Phases are repeated and interleaved on the same batches, so ratios between phases
+of one run are meaningful even on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+
+class RssSampler:
+    """Samples this process's resident set size every ``interval`` seconds in a thread."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.samples: list[int] = []
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._proc.memory_info().rss)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(self._proc.memory_info().rss)
+
+
+@dataclass
+class PhaseResult:
+    phase: str
+    time_s: float  # median over repeats
+    time_s_min: float
+    peak_mb: float  # peak memory beyond the loaded model (max over repeats)
+    median_mb: float  # CPU: median RSS beyond the baseline during the phase; GPU: = peak
+    repeats: int
+    device: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_once(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
+    """Run ``fn`` once; return (seconds, peak MB beyond baseline, median MB beyond baseline)."""
+    gc.collect()
+    mb = 2.0**20
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        peak = (torch.cuda.max_memory_allocated(device) - base) / mb
+        return dt, peak, peak
+    base = psutil.Process().memory_info().rss
+    with RssSampler() as sampler:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+    extra = [max(0, s - base) / mb for s in sampler.samples]
+    return dt, max(extra), statistics.median(extra)
+
+
+def measure_phases(
+    phases: dict[str, Callable[[], object]], device: torch.device, repeats: int = 3, warmup: int = 1
+) -> list[PhaseResult]:
+    """Time every phase ``repeats`` times, interleaved (round-robin), after ``warmup`` runs each."""
+    for fn in phases.values():
+        for _ in range(warmup):
+            fn()
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in phases}
+    for _ in range(repeats):
+        for name, fn in phases.items():
+            runs[name].append(measure_once(fn, device))
+    return [
+        PhaseResult(
+            phase=name,
+            time_s=statistics.median(r[0] for r in rs),
+            time_s_min=min(r[0] for r in rs),
+            peak_mb=max(r[1] for r in rs),
+            median_mb=statistics.median(r[2] for r in rs),
+            repeats=repeats,
+            device=str(device),
+        )
+        for name, rs in runs.items()
+    ]

@@ -1,0 +1,90 @@
+"""Argument groups and set-up steps shared by the recipes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from ..config import LocaConfig
+from ..models import find_parts, load_model
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# Where local data is looked for when neither --data-dir nor $LOCA_DATA_DIR is given: the
+# `shared/data` folder beside the project checkout, if present (else the HF hub is used).
+SIBLING_DATA = Path("../shared/data")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="local folder, hub id, or offline alias (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct)",
+    )
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)")
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="backbone dtype (adapters and statistics stay float32/float64)",
+    )
+
+
+def add_data_args(p: argparse.ArgumentParser, *, n_train: int, n_heldout: int, n_test: int) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--task", default="sst2", help="task name (see `loca tasks`) or a JSON Lines file")
+    g.add_argument("--template", default=None, help="prompt template for a JSON Lines task file")
+    g.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder of task folders in the shared/data schema (default: $LOCA_DATA_DIR, "
+        "else ../shared/data if present, else the HF hub)",
+    )
+    g.add_argument("--n-train", type=int, default=n_train, help="training examples")
+    g.add_argument("--n-heldout", type=int, default=n_heldout, help="held-out examples (selection)")
+    g.add_argument("--n-test", type=int, default=n_test, help="test examples (0: the whole test split)")
+
+
+def resolve_data_dir(arg: str | None) -> str | None:
+    if arg:
+        return arg
+    if os.environ.get("LOCA_DATA_DIR"):
+        return os.environ["LOCA_DATA_DIR"]
+    return str(SIBLING_DATA) if SIBLING_DATA.is_dir() else None
+
+
+def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per LocaConfig field, with the dataclass's help text and default."""
+    g = p.add_argument_group("LoCA hyper-parameters")
+    for f in fields(LocaConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if isinstance(default, bool):
+            g.add_argument(
+                flag, default=default, action=argparse.BooleanOptionalAction, help=f.metadata["help"]
+            )
+        elif isinstance(default, list):
+            g.add_argument(
+                flag,
+                type=float,
+                nargs="+",
+                default=default,
+                help=f.metadata["help"] + f" (default {default})",
+            )
+        else:
+            g.add_argument(
+                flag, type=type(default), default=default, help=f.metadata["help"] + f" (default {default})"
+            )
+
+
+def config_from_args(args: argparse.Namespace) -> LocaConfig:
+    return LocaConfig(**{f.name: getattr(args, f.name) for f in fields(LocaConfig) if hasattr(args, f.name)})
+
+
+def setup_model(args: argparse.Namespace):
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    return model, tokenizer, find_parts(model)

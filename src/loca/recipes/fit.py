@@ -1,0 +1,194 @@
+"""Calibrate (or load maps), fit LoCA adapters forward-only, and compare with the frozen model.
+
+Example (the README's main job)::
+
+    loca fit --model smollm2-135m-instruct --task sst2 --n-train 128 --n-heldout 64 --out runs/sst2
+
+``--out DIR`` receives ``config.json`` (everything needed to rerun), ``history.jsonl`` (one row
+per candidate and iteration), ``results.json`` (frozen vs LoCA metrics, the selection, alignment),
+``adapter/`` (the selected adapters, updated atomically whenever the held-out CE improves) and
+``maps/`` (the feedback maps, unless ``--maps`` loaded them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from ..adapters import ResidualAdapters
+from ..calibrate import FeedbackMaps, calibrate, select_probe
+from ..data import encode_examples, get_task, load_splits
+from ..data.batching import make_batches, pad_token_id
+from ..fit import fit
+from ..io import atomic_write_json, atomic_write_text
+from ..metrics import evaluate
+from ..models import fingerprint
+from ..versions import versions
+from .common import (
+    add_config_args,
+    add_data_args,
+    add_model_args,
+    config_from_args,
+    resolve_data_dir,
+    setup_model,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    add_data_args(p, n_train=128, n_heldout=64, n_test=200)
+    add_config_args(p)
+    g = p.add_argument_group("run")
+    g.add_argument("--maps", default=None, help="load feedback maps from this folder instead of calibrating")
+    g.add_argument("--out", default=None, help="output folder (config, history, results, adapter, maps)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    cfg = config_from_args(args)
+    out = Path(args.out) if args.out else None
+    data_dir = resolve_data_dir(args.data_dir)
+    task = get_task(args.task, template=args.template)
+    splits = load_splits(
+        task,
+        n_train=args.n_train,
+        n_heldout=args.n_heldout,
+        n_test=args.n_test,
+        seed=cfg.seed,
+        data_dir=data_dir,
+    )
+    model, tokenizer, parts = setup_model(args)
+    pad = pad_token_id(tokenizer)
+    enc = dict(max_length=cfg.max_length, add_eos=cfg.add_eos)
+    train_items = encode_examples(tokenizer, task, splits.train, **enc)
+    heldout_items = encode_examples(tokenizer, task, splits.heldout, **enc)
+    train = make_batches(train_items, pad, batch_size=cfg.batch_size)
+    heldout = make_batches(heldout_items, pad, batch_size=cfg.batch_size)
+
+    run_config = {
+        "command": "fit",
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": str(parts.device),
+        "task": task.describe(),
+        "data_dir": data_dir,
+        "splits": splits.record,
+        "loca": cfg.to_dict(),
+        "maps": args.maps,
+        "fingerprint": fingerprint(parts),
+        "versions": versions(),
+    }
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "config.json", run_config)
+
+    if args.maps:
+        maps = FeedbackMaps.from_pretrained(args.maps, parts)
+    else:
+        probe = select_probe(train_items, cfg.probe_positions, cfg.seed)
+        heldout_probe = select_probe(heldout_items, max(1, cfg.probe_positions // 4), cfg.seed + 1)
+        t0 = time.perf_counter()
+        maps = calibrate(
+            parts,
+            probe,
+            heldout_probe,
+            rank=cfg.feedback_rank,
+            beta_rel=cfg.beta_rel,
+            micro_batch=cfg.probe_micro_batch,
+            pad_id=pad,
+            seed=cfg.seed,
+        )
+        maps.meta["calibration_time_s"] = time.perf_counter() - t0
+        if out:
+            maps.save_pretrained(out / "maps")
+    align = maps.meta.get("alignment", {})
+    if align:
+        print(
+            f"calibration: alignment probe {_range(align['probe'])}, held-out "
+            f"{_range(align.get('heldout', []))}, random map {_range(align['random'])}"
+        )
+
+    history_lines: list[str] = []
+
+    def on_iteration(row: dict) -> None:
+        history_lines.append(json.dumps(row))
+        if out:
+            atomic_write_text(out / "history.jsonl", "\n".join(history_lines) + "\n")
+
+    def on_improve(adapters: ResidualAdapters, row: dict) -> None:
+        if out:
+            adapters.save_pretrained(out / "adapter", extra={"selection": row, "task": task.name})
+
+    result = fit(
+        parts,
+        maps,
+        train,
+        heldout,
+        rank=cfg.rank,
+        seed=cfg.seed,
+        etas=cfg.etas,
+        lam_rels=cfg.lam_rel,
+        max_iters=cfg.max_iters,
+        patience=cfg.patience,
+        groups=cfg.groups,
+        on_iteration=on_iteration,
+        on_improve=on_improve,
+        progress=not args.quiet,
+    )
+    if not result.improved:
+        print("LoCA: no candidate beat the frozen model on held-out CE; returning the frozen model (B = 0)")
+        if out:
+            result.adapters.save_pretrained(out / "adapter", extra={"selection": None, "task": task.name})
+
+    ev = dict(max_length=cfg.max_length, batch_size=cfg.batch_size, add_eos=cfg.add_eos)
+    loca_test = evaluate(parts, tokenizer, task, splits.test, **ev)
+    result.adapters.detach()
+    frozen_test = evaluate(parts, tokenizer, task, splits.test, **ev)
+    result.adapters.attach()
+
+    results = {
+        "task": task.name,
+        "model": args.model,
+        "frozen": _row(result.frozen_heldout_ce, frozen_test),
+        "loca": _row(result.heldout_ce, loca_test),
+        "eta": result.eta,
+        "lam": result.lam_rel,
+        "best_iteration": result.best_iteration,
+        "improved": result.improved,
+        "stop_reasons": result.stop_reasons,
+        "alignment": align,
+        "fit_wall_time_s": result.wall_time_s,
+        "wall_time_s": time.perf_counter() - start,
+    }
+    if out:
+        atomic_write_json(out / "results.json", results)
+    _print_table(results)
+    return 0
+
+
+def _row(heldout_ce: float, test: dict) -> dict:
+    return {
+        "heldout_ce": heldout_ce,
+        "test_ce": test["test_ce"],
+        "test_ce_no_eos": test["test_ce_no_eos"],
+        "test_acc": test["acc"],
+        "test_acc_norm": test["acc_norm"],
+        "n_test": test["n_test"],
+    }
+
+
+def _range(xs: list[float]) -> str:
+    return f"{min(xs):+.2f}..{max(xs):+.2f}" if xs else "n/a"
+
+
+def _print_table(r: dict) -> None:
+    cols = ["heldout_ce", "test_ce", "test_ce_no_eos", "test_acc", "test_acc_norm"]
+    sel = f"eta={r['eta']} lam_rel={r['lam']} best_iteration={r['best_iteration']}"
+    print(f"\n{r['task']} on {r['model']}: {sel}")
+    print(f"{'':8}" + "".join(f"{c:>16}" for c in cols))
+    for name in ("frozen", "loca"):
+        print(f"{name:8}" + "".join(f"{r[name][c]:>16.4f}" for c in cols))
+    print(f"wall time {r['wall_time_s']:.1f} s")

