@@ -80,3 +80,16 @@ def test_set_b_rejects_wrong_shapes():
     adapters = ResidualAdapters(parts, rank=4)
     with pytest.raises(ValueError, match="shape"):
         adapters.set_b([torch.zeros(3, 3)] * parts.num_blocks)
+
+
+def test_in_place_edits_of_b_take_effect():
+    """The zero-B fast path is cached per tensor version, so in-place edits are not missed."""
+    model, parts = tiny_llama()
+    batch = make_batches(sequences(3), pad_id=0)[0]
+    adapters = ResidualAdapters(parts, rank=4).attach()
+    frozen = logits(model, batch)
+    adapters.B[0].add_(0.5)
+    edited = logits(model, batch)
+    assert not torch.allclose(edited, frozen)
+    adapters.B[0].zero_()
+    assert torch.equal(logits(model, batch), frozen)

@@ -95,7 +95,7 @@ def test_stats_give_the_naive_c_with_explicit_targets():
         s = stats.add_targets(p, h.pow(2).sum(), e @ v, sigma)
         q = e @ v @ us.T  # F e for each row
         rms = lambda x: x.norm() / x.numel() ** 0.5  # noqa: E731
-        assert s == pytest.approx(float(rms(h) / rms(q)), rel=1e-10)
+        assert float(s) == pytest.approx(float(rms(h) / rms(q)), rel=1e-10)
         rho = p @ b.T - eta * s * q
         c_naive += rho.T @ p
     c = b @ stats.gram - eta * us @ stats.cross

@@ -55,6 +55,8 @@ class ResidualAdapters:
         self.B = [torch.zeros(d, rank, dtype=torch.float32, device=dev) for dev in self.devices]
         self._handles: list = []
         self._recorder: Recorder | None = None
+        self._active_key: list[tuple | None] = [None] * len(self.B)
+        self._active: list[bool] = [False] * len(self.B)
 
     # -- attach / detach -------------------------------------------------------------------
     @property
@@ -96,12 +98,20 @@ class ResidualAdapters:
         finally:
             self._recorder = None
 
+    def _is_active(self, layer: int, b: Tensor) -> bool:
+        """Whether B_l is non-zero, cached per tensor and in-place version: checking on every
+        forward would cost a device sync per block on a GPU."""
+        key = (id(b), b._version)
+        if self._active_key[layer] != key:
+            self._active_key[layer], self._active[layer] = key, bool(b.any())
+        return self._active[layer]
+
     def _hook(self, layer: int):
         def hook(module, args, kwargs, output):
             h_in = args[0] if args else kwargs["hidden_states"]
             rec = self._recorder
             b = self.B[layer]
-            active = bool(b.any())
+            active = self._is_active(layer, b)
             if rec is not None and rec.wants(layer):
                 rows = h_in[rec.pos_b, rec.pos_t].float()
                 rec.codes[layer] = rows @ self.A[layer].T

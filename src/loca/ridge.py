@@ -127,16 +127,18 @@ class BlockStats:
         self.gram += p.T @ p
         self.positions += p.shape[0]
 
-    def add_targets(self, p: Tensor, h_sumsq: Tensor | float, y: Tensor, sigma: Tensor) -> float:
-        """Accumulate one batch's target statistic and return its step scale ``s``.
+    def add_targets(self, p: Tensor, h_sumsq: Tensor, y: Tensor, sigma: Tensor) -> Tensor:
+        """Accumulate one batch's target statistic and return its step scale ``s`` (a 0-d tensor).
 
         ``y = E V_k`` (N×k), ``sigma`` the singular values (k). The scale-normalised step is
         ``s = RMS(H_{l-1}) / RMS(Q)`` with ``Q = F E^T``; both RMS share the N·d denominator, and
         ``||Q||_F = ||Σ_k Y||_F`` since U_k is orthonormal, so ``s = ||H||_F / ||Σ_k Y||_F``.
         """
         y = y.double()
-        q_norm = float((y * sigma.double()).norm())
-        s = float(h_sumsq) ** 0.5 / q_norm if q_norm > 0 else 0.0
+        q_norm = (y * sigma.to(y)).norm()
+        h_norm = torch.as_tensor(h_sumsq, dtype=torch.float64, device=y.device).sqrt()
+        # kept as a tensor (no host sync); a zero error (q_norm = 0) contributes nothing
+        s = torch.where(q_norm > 0, h_norm / q_norm, torch.zeros_like(q_norm))
         self.cross += s * (y.T @ p.double())
         return s
 
