@@ -14,8 +14,13 @@ VOCAB = 97
 def tiny_llama(seed: int = 0, layers: int = 3, hidden: int = 32, dtype=torch.float64):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
         tie_word_embeddings=False,
     )
     model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()

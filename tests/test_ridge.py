@@ -14,7 +14,6 @@ from loca.ridge import (
 )
 
 
-
 @pytest.fixture(autouse=True)
 def float64_default():
     old = torch.get_default_dtype()

@@ -1,6 +1,39 @@
 """Tasks, data sources, splits, tokenisation and batching."""
 
-from .batching import Batch, Encoded, TruncationError, encode, make_batches
+from .batching import Batch, Encoded, TruncationError, encode, make_batches, padding_fraction
+from .encoding import encode_choices, encode_examples
 from .schema import Example
+from .sources import (
+    DataError,
+    DataNotFoundError,
+    hub_row_to_example,
+    load_local,
+    load_task_split,
+)
+from .splits import Splits, load_splits, load_test
+from .tasks import TASKS, HubSpec, Task, TemplateError, get_task
 
-__all__ = ["Batch", "Encoded", "Example", "TruncationError", "encode", "make_batches"]
+__all__ = [
+    "TASKS",
+    "Batch",
+    "DataError",
+    "DataNotFoundError",
+    "Encoded",
+    "Example",
+    "HubSpec",
+    "Splits",
+    "Task",
+    "TemplateError",
+    "TruncationError",
+    "encode",
+    "encode_choices",
+    "encode_examples",
+    "get_task",
+    "hub_row_to_example",
+    "load_local",
+    "load_splits",
+    "load_task_split",
+    "load_test",
+    "make_batches",
+    "padding_fraction",
+]

@@ -26,7 +26,7 @@ class Encoded:
     has_eos: bool = False
     source: int = -1  # index of the item this sequence belongs to (for ranking), -1 if unused
     choice: int = -1
-    n_chars: int = 0  # length in characters of the completion text (acc_norm)
+    n_chars: int = 0  # characters of the completion text without its leading space (acc_norm)
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -63,8 +63,18 @@ def encode(
             f"completion {completion[:60]!r} ({len(c_ids)} tokens) leaves no room for the prompt "
             f"within max_length={max_length}; raise max_length"
         )
-    p_ids = p_ids[-budget:]
-    return Encoded(tuple(p_ids), tuple(c_ids), has_eos, source, choice, len(completion))
+    p_ids = truncate_prompt(p_ids, budget, tokenizer.bos_token_id)
+    return Encoded(tuple(p_ids), tuple(c_ids), has_eos, source, choice, len(completion.lstrip()))
+
+
+def truncate_prompt(ids: Sequence[int], length: int, bos_id: int | None) -> tuple[int, ...]:
+    """The last ``length`` prompt tokens; a leading BOS the tokenizer added is kept in front."""
+    ids = tuple(ids)
+    if len(ids) <= length:
+        return ids
+    if bos_id is not None and ids and ids[0] == bos_id and length >= 2:
+        return (ids[0],) + ids[len(ids) - length + 1 :]
+    return ids[len(ids) - length :]
 
 
 @dataclass

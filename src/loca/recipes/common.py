@@ -11,9 +11,10 @@ from ..config import LocaConfig
 from ..models import find_parts, load_model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# Where local data is looked for when neither --data-dir nor $LOCA_DATA_DIR is given: the
-# `shared/data` folder beside the project checkout, if present (else the HF hub is used).
-SIBLING_DATA = Path("../shared/data")
+# Where local data is looked for when neither --data-dir nor $LOCA_DATA_DIR is given: a
+# `shared/data` folder beside the working directory or beside the project checkout (for an
+# editable install), if present; else the HF hub is used.
+SIBLING_DATA = (Path("../shared/data"), Path(__file__).resolve().parents[3].parent / "shared" / "data")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -52,7 +53,7 @@ def resolve_data_dir(arg: str | None) -> str | None:
         return arg
     if os.environ.get("LOCA_DATA_DIR"):
         return os.environ["LOCA_DATA_DIR"]
-    return str(SIBLING_DATA) if SIBLING_DATA.is_dir() else None
+    return next((str(p) for p in SIBLING_DATA if p.is_dir()), None)
 
 
 def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

@@ -1,0 +1,230 @@
+"""Seeded, recorded train / held-out / test splits.
+
+Policy (see ``docs/tasks.md``):
+
+- **Train pool** = the task's train split. A task without one at its source (BoolQ and HellaSwag
+  in ``shared/data``, a single user file) has its validation split *partitioned* once, by a
+  permutation with the fixed seed :data:`PARTITION_SEED`, into a train pool and a test part
+  (:data:`PARTITION_TEST_FRACTION` of the items go to the test part). The partition does not
+  depend on the run's seed or sizes, so every run of a task sees the same test part.
+- **Train** = the first ``n_train`` items of a seeded permutation of the pool; **held-out** = the
+  last ``n_heldout`` items of the same permutation. They are disjoint, the held-out set does not
+  change with ``n_train``, and a larger ``n_train`` extends a smaller one.
+- **Test** = the official validation split (or its test part); ``n_test`` (None or 0 = all) takes a
+  seeded sample of it, kept in file order. It depends only on the task, ``n_test`` and ``seed``,
+  so ``loca evaluate`` with the same seed sees the same test set as a fit.
+
+Permutations order indices by ``sha256(f"{purpose}:{seed}:{index}")``: reproducible on any
+platform and Python/NumPy version. Every index and id used is recorded in ``Splits.record``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .schema import Example
+from .sources import describe_source, has_split, load_task_split
+from .tasks import Task, get_task
+
+DEFAULT_N_TRAIN = 256
+DEFAULT_N_HELDOUT = 128
+DEFAULT_N_TEST: int | None = None  # all
+DEFAULT_SEED = 0
+PARTITION_SEED = 0
+PARTITION_TEST_FRACTION = 0.5
+
+
+def permutation(n: int, seed: int, purpose: str) -> list[int]:
+    """A seeded permutation of ``range(n)``, stable across platforms and library versions."""
+
+    def key(i: int) -> bytes:
+        return hashlib.sha256(f"{purpose}:{seed}:{i}".encode()).digest()
+
+    return sorted(range(n), key=key)
+
+
+@dataclass
+class Splits:
+    """Train, held-out and test examples and a JSON-friendly record of how they were drawn."""
+
+    train: list[Example]
+    heldout: list[Example]
+    test: list[Example]
+    record: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Pools:
+    pool: list[Example]
+    pool_indices: list[int]  # index of each pool item in its split file
+    pool_split: str
+    test: list[Example]
+    test_indices: list[int]
+    test_split: str
+    partition: dict | None
+
+
+def _check_size(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value}")
+
+
+def _pools(task: Task, data_dir: str | Path | None) -> _Pools:
+    validation = load_task_split(task, task.validation_split, data_dir)
+    if has_split(task, task.train_split, data_dir):
+        pool = load_task_split(task, task.train_split, data_dir)
+        return _Pools(
+            pool,
+            list(range(len(pool))),
+            task.train_split,
+            validation,
+            list(range(len(validation))),
+            task.validation_split,
+            None,
+        )
+    n = len(validation)
+    n_test_part = round(n * PARTITION_TEST_FRACTION)
+    if n_test_part < 1 or n - n_test_part < 1:
+        raise ValueError(
+            f"task {task.name!r}: its validation split has {n} example(s), too few to partition "
+            "into a train pool and a test part"
+        )
+    perm = permutation(n, PARTITION_SEED, "partition")
+    test_idx, pool_idx = sorted(perm[:n_test_part]), sorted(perm[n_test_part:])
+    partition = {
+        "reason": f"no {task.train_split or 'train'} split available at the source",
+        "split": task.validation_split,
+        "seed": PARTITION_SEED,
+        "test_fraction": PARTITION_TEST_FRACTION,
+        "pool_size": len(pool_idx),
+        "test_size": len(test_idx),
+    }
+    return _Pools(
+        [validation[i] for i in pool_idx],
+        pool_idx,
+        task.validation_split,
+        [validation[i] for i in test_idx],
+        test_idx,
+        task.validation_split,
+        partition,
+    )
+
+
+def _select_test(
+    task: Task, pools: _Pools, n_test: int | None, seed: int
+) -> tuple[list[int], dict]:
+    _check_size("n_test", n_test, allow_none=True)
+    available = len(pools.test)
+    if not available:
+        raise ValueError(f"task {task.name!r}: the test split is empty")
+    if not n_test:
+        chosen = list(range(available))
+    elif n_test > available:
+        raise ValueError(
+            f"task {task.name!r}: n_test={n_test} exceeds the {available} test examples "
+            f"({'test part of ' if pools.partition else ''}split {pools.test_split!r})"
+        )
+    else:
+        chosen = sorted(permutation(available, seed, "test")[:n_test])
+    record = {
+        "split": pools.test_split,
+        "available": available,
+        "n": len(chosen),
+        "indices": [pools.test_indices[i] for i in chosen],
+        "ids": [pools.test[i].id for i in chosen],
+    }
+    return chosen, record
+
+
+def _resolve(task: Task | str) -> Task:
+    return get_task(task) if isinstance(task, str) else task
+
+
+def _base_record(task: Task, pools: _Pools, data_dir, seed: int) -> dict:
+    return {
+        "task": task.name,
+        "template": task.template,
+        "source": describe_source(task, data_dir),
+        "seed": seed,
+        "partition": pools.partition,
+    }
+
+
+def load_test(
+    task: Task | str,
+    *,
+    n_test: int | None = DEFAULT_N_TEST,
+    seed: int = DEFAULT_SEED,
+    data_dir: str | Path | None = None,
+) -> tuple[list[Example], dict]:
+    """Only the test set of :func:`load_splits` (the same examples for the same arguments)."""
+    task = _resolve(task)
+    pools = _pools(task, data_dir)
+    chosen, test_record = _select_test(task, pools, n_test, seed)
+    record = _base_record(task, pools, data_dir, seed) | {"test": test_record}
+    return [pools.test[i] for i in chosen], record
+
+
+def load_splits(
+    task: Task | str,
+    *,
+    n_train: int = DEFAULT_N_TRAIN,
+    n_heldout: int = DEFAULT_N_HELDOUT,
+    n_test: int | None = DEFAULT_N_TEST,
+    seed: int = DEFAULT_SEED,
+    data_dir: str | Path | None = None,
+) -> Splits:
+    """Seeded, disjoint train and held-out samples of the train pool, and the test set.
+
+    Raises ``ValueError`` when ``n_train`` or ``n_heldout`` is below 1, when together they exceed
+    the train pool, or when ``n_test`` exceeds the test split.
+    """
+    task = _resolve(task)
+    _check_size("n_train", n_train)
+    _check_size("n_heldout", n_heldout)
+    if n_train < 1 or n_heldout < 1:
+        raise ValueError(
+            f"n_train and n_heldout must be at least 1 (got {n_train} and {n_heldout}); "
+            "use load_test() for the test set alone"
+        )
+    pools = _pools(task, data_dir)
+    size = len(pools.pool)
+    if n_train + n_heldout > size:
+        where = (
+            f"the train pool ({size} examples: the non-test part of split {pools.pool_split!r})"
+            if pools.partition
+            else f"the train pool ({size} examples in split {pools.pool_split!r})"
+        )
+        raise ValueError(
+            f"task {task.name!r}: n_train + n_heldout = {n_train} + {n_heldout} exceeds {where}"
+        )
+    perm = permutation(size, seed, "pool")
+    train_pos, heldout_pos = perm[:n_train], perm[size - n_heldout :]
+    chosen, test_record = _select_test(task, pools, n_test, seed)
+
+    def part(positions: list[int]) -> dict:
+        return {
+            "split": pools.pool_split,
+            "n": len(positions),
+            "indices": [pools.pool_indices[p] for p in positions],
+            "ids": [pools.pool[p].id for p in positions],
+        }
+
+    record = _base_record(task, pools, data_dir, seed) | {
+        "pool": {"split": pools.pool_split, "size": size},
+        "train": part(train_pos),
+        "heldout": part(heldout_pos),
+        "test": test_record,
+    }
+    return Splits(
+        train=[pools.pool[p] for p in train_pos],
+        heldout=[pools.pool[p] for p in heldout_pos],
+        test=[pools.test[i] for i in chosen],
+        record=record,
+    )

@@ -1,0 +1,257 @@
+"""CE, ranking accuracy, recovery and evaluation, checked against the model's own forward."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import tiny_model, tiny_tokenizer
+
+import loca.metrics as metrics_mod
+from loca.adapters import ResidualAdapters
+from loca.data import Example, encode_choices, encode_examples, get_task
+from loca.data.batching import Encoded, make_batches, pad_token_id
+from loca.metrics import (
+    RECOVERY_FLAG,
+    completion_ce,
+    evaluate,
+    format_recovery,
+    rank_choices,
+    ranking_accuracy,
+    recovery,
+    recovery_acc,
+    recovery_ce,
+    recovery_report,
+)
+from loca.models import find_parts
+
+EXAMPLES = [
+    Example(question="a charming and often affecting journey . ", choices=("negative", "positive"),
+            label=1, id="e0"),
+    Example(question="the man is sitting on a roof", choices=("negative", "positive"), label=0,
+            id="e1"),
+    Example(question="Which technology was developed most recently ?",
+            choices=("cellular telephone", "television", "a b c d e", "airplane"), label=0,
+            id="e2"),
+    Example(question="he starts pulling up roofing", choices=("yes", "no", "g h"), label=2,
+            id="e3"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(tok, seed=0)
+
+
+@pytest.fixture(scope="module")
+def parts(model):
+    return find_parts(model)
+
+
+def test_completion_ce_equals_hf_loss(tok, model, parts):
+    task = get_task("sst2")
+    enc = encode_examples(tok, task, EXAMPLES, max_length=64, add_eos=True)
+    batch = make_batches(enc, pad_token_id(tok), batch_size=len(enc))[0]
+    ce = completion_ce(parts, [batch])
+    labels = torch.full_like(batch.input_ids, -100)
+    for row, item in enumerate(enc_sorted := batch.items):
+        n_p = len(item.prompt)
+        labels[row, n_p : n_p + len(item.completion)] = torch.tensor(item.completion)
+    assert len(enc_sorted) == len(EXAMPLES)
+    with torch.no_grad():
+        hf = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels)
+    assert ce.tokens == int((labels[:, 1:] != -100).sum())
+    assert ce.mean == pytest.approx(float(hf.loss), rel=1e-5, abs=1e-6)
+    # without EOS: mask the EOS labels
+    labels_no_eos = labels.clone()
+    labels_no_eos[labels_no_eos == tok.eos_token_id] = -100
+    with torch.no_grad():
+        hf2 = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    labels=labels_no_eos)
+    assert ce.mean_no_eos == pytest.approx(float(hf2.loss), rel=1e-5, abs=1e-6)
+
+
+def _brute_force_loglik(model, item: Encoded) -> float:
+    ids = torch.tensor([item.ids])
+    with torch.no_grad():
+        logp = F.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
+    n_p = len(item.prompt)
+    return sum(float(logp[n_p - 1 + j, t]) for j, t in enumerate(item.completion))
+
+
+def test_ranking_accuracy_matches_unbatched_forward(tok, model, parts):
+    task = get_task("arc_easy")
+    enc = encode_choices(tok, task, EXAMPLES, max_length=64)
+    batches = make_batches(enc, pad_token_id(tok), batch_size=3)
+    scores = metrics_mod.choice_loglik(parts, batches)
+    assert len(scores) == len(enc) == sum(len(e.choices) for e in EXAMPLES)
+    acc = acc_norm = 0
+    for i, ex in enumerate(EXAMPLES):
+        ll = [_brute_force_loglik(model, e) for e in enc if e.source == i]
+        for c, v in enumerate(ll):
+            assert scores[(i, c)][0] == pytest.approx(v, abs=1e-4)
+        chars = [len(ch) for ch in ex.choices]
+        acc += max(range(len(ll)), key=lambda c: ll[c]) == ex.label
+        acc_norm += max(range(len(ll)), key=lambda c: ll[c] / chars[c]) == ex.label
+    r = ranking_accuracy(parts, batches, len(EXAMPLES), [ex.label for ex in EXAMPLES])
+    assert r["acc"] == acc / len(EXAMPLES) and r["acc_norm"] == acc_norm / len(EXAMPLES)
+    # a gold sequence carrying EOS scores the same (EOS is left out of the score)
+    with_eos = encode_choices(tok, task, EXAMPLES, max_length=64, eos_on_gold=True)
+    scores_eos, ce = metrics_mod.score_choices(
+        parts, make_batches(with_eos, pad_token_id(tok), batch_size=5), [e.label for e in EXAMPLES]
+    )
+    assert scores_eos.keys() == scores.keys()
+    for key, (v, n) in scores.items():
+        assert scores_eos[key][0] == pytest.approx(v, abs=1e-4) and scores_eos[key][1] == n
+    assert ce.tokens == sum(len(e.completion) for e in with_eos if e.has_eos)
+
+
+def test_acc_norm_divides_by_characters_not_tokens(tok, parts, monkeypatch):
+    """choice 0: 1 token of 20 characters, loss 5; choice 1: 4 tokens of 7 characters, loss 1
+    each. Sum picks 1 (-4 > -5); per token picks 1 (-1 > -5); per character picks 0
+    (-0.25 > -0.57)."""
+    ex = Example(question="Which ?", choices=("zzzzzzzzzzzzzzzzzzzz", "a b c d"), label=0)
+    enc = encode_choices(tok, get_task("arc_easy"), [ex], max_length=64)
+    assert [len(e.completion) for e in enc] == [1, 4] and [e.n_chars for e in enc] == [20, 7]
+    z = tok.convert_tokens_to_ids("zzzzzzzzzzzzzzzzzzzz")
+
+    def fake_losses(parts, batch):
+        return torch.where(batch.targets == z, 5.0, 1.0)
+
+    monkeypatch.setattr(metrics_mod, "position_losses", fake_losses)
+    batches = make_batches(enc, pad_token_id(tok), batch_size=2)
+    r = ranking_accuracy(parts, batches, 1, [0])
+    assert r["acc"] == 0.0 and r["acc_norm"] == 1.0
+    # and by token count it would have been choice 1
+    per_token = [-5.0 / 1, -4.0 / 4]
+    assert max(range(2), key=lambda c: per_token[c]) == 1
+
+
+def test_rank_choices_validation_and_ties():
+    scores = {(0, 0): (-1.0, 2), (0, 1): (-1.0, 2), (1, 0): (-3.0, 100), (1, 1): (-2.0, 10)}
+    r = rank_choices(scores, 2, [0, 1])
+    assert r == {"acc": 1.0, "acc_norm": 0.5, "n": 2}  # tie -> first choice
+    with pytest.raises(ValueError, match="expected 0..n-1"):
+        rank_choices({(0, 1): (-1.0, 1)}, 1, [0])
+    with pytest.raises(ValueError, match="expected 0..n-1"):
+        rank_choices({(0, 0): (-1.0, 1)}, 2, [0, 0])
+    with pytest.raises(ValueError, match="labels"):
+        rank_choices(scores, 2, [0])
+
+
+def test_recovery_forms_and_flags():
+    assert recovery_ce(2.0, 1.5, 1.0) == pytest.approx(0.5)
+    assert recovery_ce(2.0, 0.8, 1.0) == pytest.approx(1.2)
+    assert recovery_acc(0.5, 0.7, 0.9) == pytest.approx(0.5)
+    assert recovery(0.5, 0.7, 0.9, higher_is_better=True) == recovery_acc(0.5, 0.7, 0.9)
+    # near-zero denominators (the paper's ARC-Easy cell 2.444 -> 2.438) are flagged
+    assert recovery_ce(2.444, 1.642, 2.438) is None
+    assert recovery_acc(0.80, 0.85, 0.805) is None
+    # LoRA worse than frozen: the ratio would flip sign, so it is flagged too
+    assert recovery_ce(2.0, 1.5, 2.5) is None
+    assert recovery_acc(0.824, 0.84, 0.636) is None
+    assert recovery_ce(float("nan"), 1.0, 0.5) is None
+    assert recovery_ce(2.444, 1.642, 2.438, tol=1e-4) == pytest.approx(0.802 / 0.006)
+    assert format_recovery(None) == RECOVERY_FLAG and format_recovery(1.234) == "1.23"
+    rep = recovery_report({"test_ce": 2.0, "acc": 0.5}, {"test_ce": 1.5, "acc": 0.6},
+                          {"test_ce": 1.0, "acc": 0.5})
+    assert rep == {"R_CE": 0.5, "R_CE_flagged": False, "R_acc": None, "R_acc_flagged": True}
+
+
+def test_evaluate_runs_the_model_as_hooked(tok, parts):
+    task = get_task("arc_easy")
+    kw = dict(max_length=64, batch_size=2, add_eos=True)
+    frozen = evaluate(parts, tok, task, EXAMPLES, **kw)
+    assert set(frozen) >= {"test_ce", "test_ce_no_eos", "acc", "acc_norm", "n_test",
+                           "padding_fraction"}  # fmt: skip
+    assert frozen["n_test"] == len(EXAMPLES) and frozen["n_truncated"] == 0
+    assert 0.0 <= frozen["padding_fraction"] < 1.0
+    assert frozen["test_ce"] != frozen["test_ce_no_eos"]
+    enc = encode_examples(tok, task, EXAMPLES, 64, True)
+    ce = completion_ce(parts, make_batches(enc, pad_token_id(tok), 2))
+    assert frozen["test_ce"] == pytest.approx(ce.mean) and frozen["n_tokens"] == ce.tokens
+    assert frozen["test_ce_no_eos"] == pytest.approx(ce.mean_no_eos)
+    batches = make_batches(encode_choices(tok, task, EXAMPLES, 64), pad_token_id(tok), 3)
+    ranking = ranking_accuracy(parts, batches, len(EXAMPLES), [ex.label for ex in EXAMPLES])
+    assert (frozen["acc"], frozen["acc_norm"]) == (ranking["acc"], ranking["acc_norm"])
+    assert frozen["n_sequences"] == sum(len(ex.choices) for ex in EXAMPLES)
+    no_eos = evaluate(parts, tok, task, EXAMPLES, max_length=64, batch_size=2, add_eos=False)
+    assert no_eos["test_ce"] == pytest.approx(no_eos["test_ce_no_eos"])
+    assert no_eos["test_ce"] == pytest.approx(frozen["test_ce_no_eos"], rel=1e-5)
+
+    adapters = ResidualAdapters(parts, rank=4, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    adapters.set_b([torch.randn(b.shape, generator=gen) for b in adapters.B])
+    with adapters:
+        adapted = evaluate(parts, tok, task, EXAMPLES, **kw)
+    assert adapted["test_ce"] != pytest.approx(frozen["test_ce"])
+    again = evaluate(parts, tok, task, EXAMPLES, **kw)
+    assert again == frozen
+
+
+def test_evaluate_reports_truncation(tok, parts):
+    ex = Example(question=" ".join(["the"] * 80), choices=("yes", "no"), label=0)
+    m = evaluate(parts, tok, get_task("arc_easy"), [ex], max_length=16, batch_size=4, add_eos=True)
+    assert m["n_truncated"] == 1 and math.isfinite(m["test_ce"])
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+def test_cli_tasks(capsys):
+    from loca.cli import main
+
+    assert main(["tasks"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("sst2", "boolq", "arc_easy", "arc_challenge", "obqa",
+                                        "hellaswag"))  # fmt: skip
+    assert main(["tasks", "--show", "sst2", "--data-dir", "/nonexistent"]) == 0
+    out = capsys.readouterr().out
+    assert "Review: {question}" in out and "Sentiment (positive or negative):" in out
+    assert "' positive'" in out
+    assert main(["tasks", "--show", "nope"]) == 2
+    assert "known tasks" in capsys.readouterr().err
+
+
+def test_cli_evaluate_writes_results(tmp_path, tok, model, capsys):
+    from loca.cli import main
+
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "data" / "arc_easy"
+    data.mkdir(parents=True)
+    (data / "validation.jsonl").write_text("".join(
+        json.dumps({"id": ex.id, "question": ex.question, "passage": None,
+                    "choices": list(ex.choices), "label": ex.label}) + "\n"
+        for ex in EXAMPLES
+    ))  # fmt: skip
+    (data / "train.jsonl").write_text((data / "validation.jsonl").read_text().replace('"e', '"t'))
+    out = tmp_path / "out"
+    args = ["evaluate", "--model", str(model_dir), "--task", "arc_easy", "--data-dir",
+            str(tmp_path / "data"), "--n-test", "3", "--device", "cpu", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "acc_norm" in printed and "padding" in printed
+    res = json.loads((out / "results.json").read_text())
+    assert res["metrics"]["n_test"] == 3 and len(res["test_set"]["test"]["ids"]) == 3
+    assert res["task"]["name"] == "arc_easy" and res["adapter"] is None
+
+    # with saved adapters
+    parts = find_parts(model)
+    adapters = ResidualAdapters(parts, rank=4, seed=0)
+    adapters.set_b([torch.full(b.shape, 0.05) for b in adapters.B])
+    adapters.save_pretrained(tmp_path / "adapter")
+    assert main([*args[:-1], str(tmp_path / "out2"), "--adapter", str(tmp_path / "adapter")]) == 0
+    res2 = json.loads((tmp_path / "out2" / "results.json").read_text())
+    assert res2["adapter_norm"] > 0
+    assert res2["metrics"]["test_ce"] != pytest.approx(res["metrics"]["test_ce"])
+    assert res2["test_set"]["test"]["ids"] == res["test_set"]["test"]["ids"]

@@ -1,0 +1,48 @@
+"""A tiny word-level tokenizer and a matching random Llama, built offline inside the tests."""
+
+from __future__ import annotations
+
+import torch
+
+CORPUS = [
+    "Review: a charming and often affecting journey .",
+    "Sentiment (positive or negative): positive negative",
+    "Question: Which technology was developed most recently? Answer: cellular telephone",
+    "television refrigerator airplane yes no",
+    "A man is sitting on a roof . he starts pulling up roofing",
+    "a b c d e f g h the of to is was",
+    "zzzzzzzzzzzzzzzzzzzz",
+]
+SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
+
+
+def tiny_tokenizer(extra: list[str] | None = None):
+    """A ``PreTrainedTokenizerFast`` over a word-level model: one token per word or punctuation
+    mark (leading spaces carry no token), no BOS added, EOS ``<eos>``, pad ``<pad>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=SPECIALS, min_frequency=1)
+    tok.train_from_iterator(CORPUS + list(extra or []), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
+        eos_token="<eos>",
+    )
+
+
+def tiny_model(tokenizer, seed: int = 0, dtype=torch.float32):
+    """A random 2-block Llama whose vocabulary matches ``tokenizer`` (eval mode, frozen)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.requires_grad_(False)
+    return model
