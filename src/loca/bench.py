@@ -8,6 +8,7 @@ of one run are meaningful even on a noisy machine.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import statistics
 import threading
@@ -17,6 +18,29 @@ from dataclasses import asdict, dataclass
 
 import psutil
 import torch
+
+
+def _libc():
+    try:
+        lib = ctypes.CDLL("libc.so.6")
+        return lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+_M_MMAP_THRESHOLD = -3
+
+
+def _trim() -> None:
+    gc.collect()
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+# glibc raises its mmap threshold after large frees and then keeps freed buffers in the heap, so
+# a phase run after another shows no RSS growth at all. With a fixed 64 KiB threshold every tensor
+# buffer is mapped on its own and unmapped when freed, and RSS tracks live memory.
 
 
 class RssSampler:
@@ -60,7 +84,7 @@ class PhaseResult:
 
 def measure_once(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
     """Run ``fn`` once; return (seconds, peak MB beyond baseline, median MB beyond baseline)."""
-    gc.collect()
+    _trim()
     mb = 2.0**20
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -85,21 +109,35 @@ def measure_once(fn: Callable[[], object], device: torch.device) -> tuple[float,
 def measure_phases(
     phases: dict[str, Callable[[], object]], device: torch.device, repeats: int = 3, warmup: int = 1
 ) -> list[PhaseResult]:
-    """Time every phase ``repeats`` times, interleaved (round-robin), after ``warmup`` runs each."""
+    """Time every phase ``repeats`` times, interleaved (round-robin), after ``warmup`` runs each.
+
+    On the CPU, memory is measured in one more interleaved sweep with glibc returning every freed
+    buffer to the OS (see :func:`exact_rss_accounting`), and time in sweeps with glibc's usual
+    caching of large buffers, so the page faults of exact accounting do not distort the timings.
+    """
     for fn in phases.values():
         for _ in range(warmup):
             fn()
     runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in phases}
+    memory: dict[str, list[tuple[float, float]]] = {name: [] for name in phases}
+    exact = device.type == "cpu" and _LIBC is not None
+    if exact:
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, 64 * 2**10)
+        for name, fn in phases.items():
+            memory[name].append(measure_once(fn, device)[1:])
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
     for _ in range(repeats):
         for name, fn in phases.items():
             runs[name].append(measure_once(fn, device))
+            if not exact:
+                memory[name].append(runs[name][-1][1:])
     return [
         PhaseResult(
             phase=name,
             time_s=statistics.median(r[0] for r in rs),
             time_s_min=min(r[0] for r in rs),
-            peak_mb=max(r[1] for r in rs),
-            median_mb=statistics.median(r[2] for r in rs),
+            peak_mb=max(m[0] for m in memory[name]),
+            median_mb=statistics.median(m[1] for m in memory[name]),
             repeats=repeats,
             device=str(device),
         )

@@ -22,11 +22,11 @@ class LogitTransform:
     scale: float = 1.0
     softcap: float | None = None
 
-    def apply(self, z0: Tensor) -> tuple[Tensor, Tensor]:
-        """Return the transformed logits and the elementwise derivative ``dz/dz0``."""
+    def apply(self, z0: Tensor) -> tuple[Tensor, Tensor | float]:
+        """Return the transformed logits and the derivative ``dz/dz0`` (a scalar without soft-cap)."""
         z = z0 * self.scale if self.scale != 1.0 else z0
         if self.softcap is None:
-            return z, torch.full_like(z, self.scale)
+            return z, self.scale
         t = torch.tanh(z / self.softcap)
         return self.softcap * t, self.scale * (1.0 - t * t)
 
@@ -71,16 +71,18 @@ def head_loss_and_error(
         if in_chunk.any():
             local = (targets[in_chunk] - start).long()
             z_target[in_chunk] = z[rows[in_chunk], local]
-            dz_target[in_chunk] = dz[rows[in_chunk], local]
+            dz_target[in_chunk] = dz[rows[in_chunk], local] if torch.is_tensor(dz) else dz
         new_max = torch.maximum(running_max, z.max(dim=1).values)
         rescale = torch.exp(running_max - new_max)
         p = torch.exp(z - new_max[:, None])
         denom = denom * rescale + p.sum(dim=1)
         if acc is not None:
-            acc = acc * rescale[:, None] + (p * dz) @ w
+            acc = acc * rescale[:, None] + ((p * dz) if torch.is_tensor(dz) else p) @ w
         running_max = new_max
     loss = running_max + torch.log(denom) - z_target
     if acc is None:
         return loss, None
+    if not transform.softcap and transform.scale != 1.0:  # the constant dz/dz0 left out above
+        acc = acc * transform.scale
     error = acc / denom[:, None] - dz_target[:, None] * weight[targets].to(dtype)
     return loss, error
