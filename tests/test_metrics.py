@@ -242,7 +242,7 @@ def test_cli_evaluate_writes_results(tmp_path, tok, model, capsys):
     printed = capsys.readouterr().out
     assert "acc_norm" in printed and "padding" in printed
     res = json.loads((out / "results.json").read_text())
-    assert res["metrics"]["n_test"] == 3 and len(res["test_set"]["test"]["ids"]) == 3
+    assert res["n_test"] == 3 and len(res["test_set"]["test"]["ids"]) == 3
     assert res["task"]["name"] == "arc_easy" and res["adapter"] is None
 
     # with saved adapters
@@ -253,5 +253,5 @@ def test_cli_evaluate_writes_results(tmp_path, tok, model, capsys):
     assert main([*args[:-1], str(tmp_path / "out2"), "--adapter", str(tmp_path / "adapter")]) == 0
     res2 = json.loads((tmp_path / "out2" / "results.json").read_text())
     assert res2["adapter_norm"] > 0
-    assert res2["metrics"]["test_ce"] != pytest.approx(res["metrics"]["test_ce"])
+    assert res2["test_ce"] != pytest.approx(res["test_ce"])
     assert res2["test_set"]["test"]["ids"] == res["test_set"]["test"]["ids"]

@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         if adapters is not None:
             adapters.detach()
     results = {
+        **metrics,  # test_ce, test_ce_no_eos, acc, acc_norm, n_test, ... at the top level
         "command": "evaluate",
         "model": args.model,
         "dtype": args.dtype,
@@ -87,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
         "data_dir": data_dir,
         "settings": {"max_length": args.max_length, "batch_size": args.batch_size,
                      "add_eos": add_eos, "n_test": args.n_test, "seed": args.seed},
-        "metrics": metrics,
         "test_set": record,
         "fingerprint": fingerprint(parts),
         "versions": versions(),

@@ -1,0 +1,121 @@
+"""The `loca` command end to end on a tiny saved model, tokenizer and JSON Lines task."""
+
+import json
+import random
+
+import pytest
+from tiny import tiny_model, tiny_tokenizer
+
+from loca.cli import main
+
+WORDS = "a charming and often affecting journey the of to is was b c d e f g h".split()
+TEMPLATE = "Review: {question}\nSentiment (positive or negative):"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    rng = random.Random(0)
+    with open(root / "task.jsonl", "w") as f:
+        for i in range(60):
+            words = rng.choices(WORDS, k=rng.randint(3, 8))
+            label = int(words[0] in WORDS[:8])
+            row = {
+                "id": f"x{i}",
+                "question": " ".join(words),
+                "choices": ["negative", "positive"],
+                "label": label,
+            }
+            f.write(json.dumps(row) + "\n")
+    common = ["--model", str(root / "model"), "--task", str(root / "task.jsonl"), "--template", TEMPLATE]
+    common += ["--device", "cpu", "--rank", "4", "--feedback-rank", "4"]
+    return root, common
+
+
+def test_fit_writes_config_history_results_adapter_and_maps(setup, capsys):
+    root, common = setup
+    out = root / "fit"
+    args = ["fit", *common, "--n-train", "16", "--n-heldout", "8", "--n-test", "10"]
+    assert main([*args, "--max-iters", "2", "--etas", "0.01", "0.03", "--out", str(out), "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    for name in ("frozen", "loca"):
+        assert {"heldout_ce", "test_ce", "test_acc"} <= results[name].keys()
+    assert {"eta", "lam", "best_iteration", "wall_time_s", "alignment"} <= results.keys()
+    assert len(results["alignment"]["probe"]) == 2
+    assert results["loca"]["heldout_ce"] <= results["frozen"]["heldout_ce"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["loca"]["rank"] == 4 and config["splits"]["seed"] == 0
+    rows = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
+    assert rows[0]["iteration"] == 0 and len(rows) >= 3
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "maps" / "feedback_maps.safetensors").is_file()
+    assert "frozen" in capsys.readouterr().out
+
+
+def test_calibrate_then_forward_only_fit_then_evaluate(setup):
+    root, common = setup
+    assert (
+        main(["calibrate", *common, "--n-train", "16", "--n-heldout", "8", "--out", str(root / "maps")]) == 0
+    )
+    out = root / "fit2"
+    args = [
+        "fit",
+        *common,
+        "--n-train",
+        "16",
+        "--n-heldout",
+        "8",
+        "--n-test",
+        "10",
+        "--maps",
+        str(root / "maps"),
+    ]
+    assert main([*args, "--max-iters", "1", "--out", str(out), "--quiet"]) == 0
+    assert not (out / "maps").exists()
+    ev = root / "eval"
+    assert (
+        main(["evaluate", *common[:6], "--n-test", "10", "--adapter", str(out / "adapter"), "--out", str(ev)])
+        == 0
+    )
+    got = json.loads((ev / "results.json").read_text())
+    want = json.loads((out / "results.json").read_text())["loca"]
+    assert got["test_ce"] == pytest.approx(want["test_ce"], rel=1e-6)
+
+
+def test_maps_from_another_checkpoint_are_refused(setup, capsys):
+    root, common = setup
+    other = tiny_model(tiny_tokenizer(), seed=1)
+    other.save_pretrained(root / "other")
+    tiny_tokenizer().save_pretrained(root / "other")
+    if not (root / "maps").exists():
+        main(["calibrate", *common, "--n-train", "16", "--n-heldout", "8", "--out", str(root / "maps")])
+    args = ["fit", "--model", str(root / "other"), *common[2:], "--maps", str(root / "maps")]
+    assert main([*args, "--n-train", "16", "--n-heldout", "8", "--n-test", "4", "--quiet"]) == 2
+    assert "another checkpoint" in capsys.readouterr().err
+
+
+def test_bad_data_is_a_clear_error(setup, tmp_path, capsys):
+    _, common = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "a b", "choices": ["x", "y"], "label": 5}\n')
+    args = ["fit", *common[:2], "--task", str(bad), "--template", TEMPLATE, "--quiet"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl" in err and "label" in err
+
+
+def test_bench_writes_one_row_per_phase(setup):
+    root, common = setup
+    out = root / "bench"
+    args = ["bench", *common, "--n-train", "8", "--phases", "forward,calibrate,stage2", "--repeats", "1"]
+    assert main([*args, "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert [r["phase"] for r in report["rows"]] == ["forward", "calibrate", "stage2"]
+    for row in report["rows"]:
+        assert {"phase", "time_s", "time_s_min", "peak_mb", "median_mb"} <= row.keys()
+        assert row["time_s"] > 0
+    assert report["statistics_bytes"]["stage2_statistics"] == 2 * (4 * 4 + 4 * 4) * 8
