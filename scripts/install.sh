@@ -6,4 +6,4 @@ python3 -m venv .venv
 # Install torch first with an exact pin: where a CPU wheel of it lies on disk (these machines),
 # pip takes it instead of a multi-GB CUDA build; anything later that accepts it installs no other.
 .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/pip install -q --disable-pip-version-check -e ".[dev,baselines]"
+.venv/bin/pip install -q --disable-pip-version-check -e ".[dev,hub,baselines]"

@@ -338,8 +338,8 @@ def load_hub_split(task: Task, split: str, looked_at: str = "") -> list[Example]
         import datasets
     except ImportError:
         raise DataNotFoundError(
-            f"task {task.name!r}: no local data ({where}) and the hub needs the 'datasets' "
-            "package (pip install 'loca[hub]'); or pass --data-dir / set "
+            f"task {task.name!r}: no local data ({where}) and loading {task.hub} from the hub "
+            "needs the 'datasets' package (pip install 'loca[hub]'); or pass --data-dir / set "
             f"${DATA_DIR_ENV} to a folder holding {task.folder}/{split}.jsonl"
         ) from None
     try:
