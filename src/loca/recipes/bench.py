@@ -21,21 +21,11 @@ import torch
 
 from ..adapters import ResidualAdapters
 from ..bench import measure_phases
-from ..calibrate import calibrate
-from ..data import encode_examples, get_task, load_splits
-from ..data.batching import make_batches, pad_token_id
 from ..fit import collect_statistics
 from ..io import atomic_write_json
 from ..ridge import solve_block
 from ..versions import versions
-from .common import (
-    add_config_args,
-    add_data_args,
-    add_model_args,
-    config_from_args,
-    resolve_data_dir,
-    setup_model,
-)
+from .common import add_config_args, add_data_args, add_model_args, setup_run
 
 PHASES = ("forward", "backbone", "calibrate", "stage2")
 
@@ -58,33 +48,17 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(phases) - set(PHASES)
     if unknown:
         raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
-    cfg = config_from_args(args)
-    task = get_task(args.task, template=args.template)
-    splits = load_splits(
-        task,
-        n_train=args.n_train,
-        n_heldout=args.n_heldout,
-        n_test=args.n_test,
-        seed=cfg.seed,
-        data_dir=resolve_data_dir(args.data_dir),
-    )
-    model, tokenizer, parts = setup_model(args)
-    pad = pad_token_id(tokenizer)
-    items = encode_examples(tokenizer, task, splits.train, max_length=cfg.max_length, add_eos=cfg.add_eos)
-    batches = make_batches(items, pad, batch_size=cfg.batch_size)
+    run = setup_run(args)
+    cfg, model, parts, task = run.cfg, run.model, run.parts, run.task
+    items = run.encode(run.splits.train)
+    batches = run.batches(items)
     dev = parts.device
     on_dev = [b.to(dev) for b in batches]
 
-    # maps are needed by stage2 whether or not calibrate is timed
-    maps = calibrate(
-        parts,
-        items,
-        rank=cfg.feedback_rank,
-        beta_rel=cfg.beta_rel,
-        micro_batch=cfg.probe_micro_batch,
-        pad_id=pad,
-        seed=cfg.seed,
-    )
+    def calib():
+        return run.calibrate(items)
+
+    maps = calib()  # stage2 needs maps whether or not calibrate is timed
     adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     adapters.set_b([1e-3 * torch.randn(b.shape, generator=gen) for b in adapters.B])
@@ -99,17 +73,6 @@ def run(args: argparse.Namespace) -> int:
     def backbone():
         for b in on_dev:
             parts.backbone(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
-
-    def calib():
-        calibrate(
-            parts,
-            items,
-            rank=cfg.feedback_rank,
-            beta_rel=cfg.beta_rel,
-            micro_batch=cfg.probe_micro_batch,
-            pad_id=pad,
-            seed=cfg.seed,
-        )
 
     def stage2():
         with adapters:

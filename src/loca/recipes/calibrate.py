@@ -12,17 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..calibrate import calibrate, select_probe
-from ..data import encode_examples, get_task, load_splits
-from ..data.batching import pad_token_id
-from .common import (
-    add_config_args,
-    add_data_args,
-    add_model_args,
-    config_from_args,
-    resolve_data_dir,
-    setup_model,
-)
+from ..calibrate import select_probe
+from .common import add_config_args, add_data_args, add_model_args, setup_run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,35 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    task = get_task(args.task, template=args.template)
-    splits = load_splits(
-        task,
-        n_train=args.n_train,
-        n_heldout=args.n_heldout,
-        n_test=args.n_test,
-        seed=cfg.seed,
-        data_dir=resolve_data_dir(args.data_dir),
-    )
-    _, tokenizer, parts = setup_model(args)
-    enc = dict(max_length=cfg.max_length, add_eos=cfg.add_eos)
-    probe = select_probe(encode_examples(tokenizer, task, splits.train, **enc), cfg.probe_positions, cfg.seed)
-    heldout = select_probe(
-        encode_examples(tokenizer, task, splits.heldout, **enc),
-        max(1, cfg.probe_positions // 4),
-        cfg.seed + 1,
-    )
-    maps = calibrate(
-        parts,
-        probe,
-        heldout,
-        rank=cfg.feedback_rank,
-        beta_rel=cfg.beta_rel,
-        micro_batch=cfg.probe_micro_batch,
-        pad_id=pad_token_id(tokenizer),
-        seed=cfg.seed,
-    )
-    maps.meta.update({"task": task.name, "splits": splits.record})
+    run = setup_run(args)
+    cfg = run.cfg
+    probe = select_probe(run.encode(run.splits.train), cfg.probe_positions, cfg.seed)
+    heldout = select_probe(run.encode(run.splits.heldout), max(1, cfg.probe_positions // 4), cfg.seed + 1)
+    maps = run.calibrate(probe, heldout)
+    maps.meta.update({"task": run.task.name, "splits": run.splits.record})
     maps.save_pretrained(args.out)
     a = maps.meta["alignment"]
     for i, (p, h, r) in enumerate(zip(a["probe"], a["heldout"], a["random"], strict=True)):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
+from ..calibrate import FeedbackMaps, calibrate
 from ..config import LocaConfig
-from ..models import find_parts, load_model
+from ..data import Batch, Encoded, Splits, Task, encode_examples, get_task, load_splits, make_batches
+from ..data.batching import pad_token_id
+from ..models import ModelParts, find_parts, load_model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # Where local data is looked for when neither --data-dir nor $LOCA_DATA_DIR is given: a
@@ -86,6 +89,53 @@ def config_from_args(args: argparse.Namespace) -> LocaConfig:
     return LocaConfig(**{f.name: getattr(args, f.name) for f in fields(LocaConfig) if hasattr(args, f.name)})
 
 
+@dataclass
+class RunSetup:
+    """What every recipe starts from: the task, its splits, the model and its tokenizer."""
+
+    cfg: LocaConfig
+    task: Task
+    splits: Splits
+    data_dir: str | None
+    model: object
+    tokenizer: object
+    parts: ModelParts
+
+    @property
+    def pad_id(self) -> int:
+        return pad_token_id(self.tokenizer)
+
+    def encode(self, examples) -> list[Encoded]:
+        """Prompt + gold completion sequences, with the run's max length and EOS setting."""
+        return encode_examples(
+            self.tokenizer, self.task, examples, max_length=self.cfg.max_length, add_eos=self.cfg.add_eos
+        )
+
+    def batches(self, items: list[Encoded]) -> list[Batch]:
+        return make_batches(items, self.pad_id, batch_size=self.cfg.batch_size)
+
+    def calibrate(self, probe: list[Encoded], heldout_probe: list[Encoded] = ()) -> FeedbackMaps:
+        cfg = self.cfg
+        return calibrate(
+            self.parts, probe, heldout_probe, rank=cfg.feedback_rank, beta_rel=cfg.beta_rel,
+            micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id, seed=cfg.seed,
+        )  # fmt: skip
+
+
+def setup_run(args: argparse.Namespace) -> RunSetup:
+    """Parse the config, load the task's splits (before the model: data errors come first), then
+    load the model."""
+    cfg = config_from_args(args)
+    task = get_task(args.task, template=args.template)
+    data_dir = resolve_data_dir(args.data_dir)
+    splits = load_splits(
+        task, n_train=args.n_train, n_heldout=args.n_heldout, n_test=args.n_test, seed=cfg.seed,
+        data_dir=data_dir,
+    )  # fmt: skip
+    return RunSetup(cfg, task, splits, data_dir, *setup_model(args))
+
+
 def setup_model(args: argparse.Namespace):
+    """``(model, tokenizer, parts)`` from the model flags."""
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     return model, tokenizer, find_parts(model)

@@ -18,22 +18,13 @@ import time
 from pathlib import Path
 
 from ..adapters import ResidualAdapters
-from ..calibrate import FeedbackMaps, calibrate, select_probe
-from ..data import encode_examples, get_task, load_splits
-from ..data.batching import make_batches, pad_token_id
+from ..calibrate import FeedbackMaps, select_probe
 from ..fit import fit
 from ..io import atomic_write_json, atomic_write_text
 from ..metrics import evaluate
 from ..models import fingerprint
 from ..versions import versions
-from .common import (
-    add_config_args,
-    add_data_args,
-    add_model_args,
-    config_from_args,
-    resolve_data_dir,
-    setup_model,
-)
+from .common import add_config_args, add_data_args, add_model_args, setup_run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,25 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    cfg = config_from_args(args)
     out = Path(args.out) if args.out else None
-    data_dir = resolve_data_dir(args.data_dir)
-    task = get_task(args.task, template=args.template)
-    splits = load_splits(
-        task,
-        n_train=args.n_train,
-        n_heldout=args.n_heldout,
-        n_test=args.n_test,
-        seed=cfg.seed,
-        data_dir=data_dir,
-    )
-    model, tokenizer, parts = setup_model(args)
-    pad = pad_token_id(tokenizer)
-    enc = dict(max_length=cfg.max_length, add_eos=cfg.add_eos)
-    train_items = encode_examples(tokenizer, task, splits.train, **enc)
-    heldout_items = encode_examples(tokenizer, task, splits.heldout, **enc)
-    train = make_batches(train_items, pad, batch_size=cfg.batch_size)
-    heldout = make_batches(heldout_items, pad, batch_size=cfg.batch_size)
+    run = setup_run(args)
+    cfg, task, splits, parts, tokenizer = run.cfg, run.task, run.splits, run.parts, run.tokenizer
+    train_items, heldout_items = run.encode(splits.train), run.encode(splits.heldout)
+    train, heldout = run.batches(train_items), run.batches(heldout_items)
 
     run_config = {
         "command": "fit",
@@ -74,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "device": str(parts.device),
         "task": task.describe(),
-        "data_dir": data_dir,
+        "data_dir": run.data_dir,
         "splits": splits.record,
         "loca": cfg.to_dict(),
         "maps": args.maps,
@@ -91,16 +68,7 @@ def run(args: argparse.Namespace) -> int:
         probe = select_probe(train_items, cfg.probe_positions, cfg.seed)
         heldout_probe = select_probe(heldout_items, max(1, cfg.probe_positions // 4), cfg.seed + 1)
         t0 = time.perf_counter()
-        maps = calibrate(
-            parts,
-            probe,
-            heldout_probe,
-            rank=cfg.feedback_rank,
-            beta_rel=cfg.beta_rel,
-            micro_batch=cfg.probe_micro_batch,
-            pad_id=pad,
-            seed=cfg.seed,
-        )
+        maps = run.calibrate(probe, heldout_probe)
         maps.meta["calibration_time_s"] = time.perf_counter() - t0
         if out:
             maps.save_pretrained(out / "maps")
