@@ -119,3 +119,14 @@ def test_bench_writes_one_row_per_phase(setup):
         assert {"phase", "time_s", "time_s_min", "peak_mb", "median_mb"} <= row.keys()
         assert row["time_s"] > 0
     assert report["statistics_bytes"]["stage2_statistics"] == 2 * (4 * 4 + 4 * 4) * 8
+
+
+def test_random_init_needs_only_config_and_tokenizer(setup, tmp_path):
+    root, common = setup
+    folder = tmp_path / "arch"
+    folder.mkdir()
+    for f in (root / "model").iterdir():
+        if not f.name.endswith(".safetensors"):
+            (folder / f.name).write_bytes(f.read_bytes())
+    args = ["bench", "--model", str(folder), "--random-init", *common[2:], "--n-train", "8"]
+    assert main([*args, "--phases", "stage2", "--repeats", "1", "--out", str(tmp_path / "b")]) == 0

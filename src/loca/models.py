@@ -151,12 +151,16 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def load_model(name: str, device: str | None = None, dtype: str = "float32"):
+def load_model(
+    name: str, device: str | None = None, dtype: str = "float32", random_init: bool = False, seed: int = 0
+):
     """Load ``(model, tokenizer)`` from a local folder, a built-in offline alias or a hub id.
 
-    The model is put in eval mode with every parameter frozen (``requires_grad=False``).
+    With ``random_init`` only the config and tokenizer are read and the weights are drawn at
+    random (seeded): for time and memory measurements of an architecture, which do not depend on
+    the weights' values. The model is put in eval mode with every parameter frozen.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .zoo import ALIASES, ensure_alias
 
@@ -168,7 +172,11 @@ def load_model(name: str, device: str | None = None, dtype: str = "float32"):
     elif not Path(name).exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in name:
         raise ValueError(f"model {name!r} is neither a folder nor a built-in alias ({', '.join(ALIASES)})")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    if random_init:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[dtype])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     model.to(resolve_device(device)).eval()
     model.requires_grad_(False)
     return model, tokenizer

@@ -34,6 +34,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="backbone dtype (adapters and statistics stay float32/float64)",
     )
+    g.add_argument(
+        "--random-init",
+        action="store_true",
+        help="random weights from the model's config and tokenizer (for time/memory measurements)",
+    )
 
 
 def add_data_args(p: argparse.ArgumentParser, *, n_train: int, n_heldout: int, n_test: int) -> None:
@@ -137,5 +142,7 @@ def setup_run(args: argparse.Namespace) -> RunSetup:
 
 def setup_model(args: argparse.Namespace):
     """``(model, tokenizer, parts)`` from the model flags."""
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(
+        args.model, device=args.device, dtype=args.dtype, random_init=args.random_init
+    )
     return model, tokenizer, find_parts(model)
