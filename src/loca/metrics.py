@@ -32,6 +32,7 @@ class TokenCE:
 
     def add(self, losses: torch.Tensor, is_eos: torch.Tensor) -> None:
         losses = losses.double()
+        is_eos = is_eos.to(losses.device)
         self.total += float(losses.sum())
         self.tokens += losses.numel()
         keep = ~is_eos
