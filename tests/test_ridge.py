@@ -137,3 +137,22 @@ def test_non_finite_statistics_raise():
 def test_empty_gram_is_an_error():
     with pytest.raises(ValueError, match="no adapter inputs"):
         solve_block(torch.zeros(3, 2), BlockStats.zeros(2, 2), torch.zeros(3, 2), 0.1, 1e-3)
+
+
+def test_a_stack_of_blocks_equals_the_blocks_one_by_one():
+    gen = torch.Generator().manual_seed(5)
+    n_blocks, n, r, k = 3, 9, 4, 2
+    p = torch.randn(n_blocks, n, r, generator=gen)
+    y = torch.randn(n_blocks, n, k, generator=gen)
+    hs = torch.rand(n_blocks, generator=gen) * 10
+    sigma = torch.rand(n_blocks, k, generator=gen) + 0.1
+    stack = BlockStats.zeros(r, k, blocks=n_blocks)
+    stack.add_inputs(p)
+    s_all = stack.add_targets(p, hs, y, sigma)
+    for i in range(n_blocks):
+        one = BlockStats.zeros(r, k)
+        one.add_inputs(p[i])
+        s = one.add_targets(p[i], hs[i], y[i], sigma[i])
+        torch.testing.assert_close(stack[i].gram, one.gram)
+        torch.testing.assert_close(stack[i].cross, one.cross)
+        torch.testing.assert_close(s_all[i], s)

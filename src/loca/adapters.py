@@ -119,8 +119,11 @@ class ResidualAdapters:
             if not active:
                 return None
             h_out = output[0] if isinstance(output, tuple) else output
-            delta = (h_in.float() @ self.A[layer].T) @ b.T
-            h_new = h_out + delta.to(h_out.dtype)
+            # A and B are stored in float32; the full-sequence correction runs in the hidden
+            # dtype, so a bf16 backbone's activations are not doubled by float32 copies (the
+            # correction is rounded to that dtype when added anyway). Statistics stay float32.
+            a, b = self.A[layer].to(h_in.dtype), b.to(h_in.dtype)
+            h_new = h_out + (h_in @ a.T) @ b.T
             return (h_new, *output[1:]) if isinstance(output, tuple) else h_new
 
         return hook

@@ -40,23 +40,46 @@ def collect_statistics(
     batches: Sequence[Batch],
     blocks: Sequence[int],
 ) -> tuple[dict[int, BlockStats], TokenCE]:
-    """One forward pass: per-block statistics for ``blocks`` and the training CE before the update."""
-    stats = {l: BlockStats.zeros(adapters.rank, maps.rank, adapters.devices[l]) for l in blocks}
-    sigmas = {l: maps.sigma(l).double() for l in blocks}
-    ce = TokenCE()
+    """One forward pass: per-block statistics for ``blocks`` and the training CE before the update.
+
+    Blocks on one device are processed as a stack (a few batched kernels per batch for all of
+    them) and nothing is copied to the host inside the loop, so a GPU never waits on Python.
+    """
+    by_device: dict[torch.device, list[int]] = {}
+    for l in blocks:
+        by_device.setdefault(adapters.devices[l], []).append(l)
+    k = maps.rank
+    stacks = {
+        dev: (
+            BlockStats.zeros(adapters.rank, k, dev, blocks=len(ls)),
+            torch.cat([maps.factors[l].v for l in ls], dim=1),  # d × (L·k): all V_k side by side
+            torch.stack([maps.sigma(l) for l in ls]),  # L × k
+        )
+        for dev, ls in by_device.items()
+    }
+    losses, eos = [], []
     for batch in batches:
         b = batch.to(parts.device)
         with adapters.recording(Recorder(b.pos_b, b.pos_t, set(blocks))) as rec:
             hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
         loss, e = head_loss_and_error(hn, parts.head.weight, parts.head.bias, b.targets, parts.transform)
-        ce.add(loss.cpu(), batch.is_eos)
-        for l in blocks:
-            p = rec.codes[l]
-            f = maps.factors[l]
-            y = e.to(f.v.device) @ f.v.to(e.dtype)  # Y_lᵀ = E V_k, N×k
-            stats[l].add_inputs(p)
-            stats[l].add_targets(p, rec.input_sumsq[l], y, sigmas[l])
-    return stats, ce
+        losses.append(loss)
+        eos.append(b.is_eos)
+        for dev, ls in by_device.items():
+            stats, v_all, sigma = stacks[dev]
+            p = torch.stack([rec.codes[l] for l in ls])  # L × N × r
+            h_sumsq = torch.stack([rec.input_sumsq[l] for l in ls])
+            e_dev = e.to(dev)
+            y = (e_dev @ v_all.to(e_dev.dtype)).view(-1, len(ls), k).transpose(0, 1)  # L × N × k
+            stats.add_inputs(p)
+            stats.add_targets(p, h_sumsq, y, sigma)
+    ce = TokenCE()
+    ce.add(torch.cat(losses), torch.cat(eos))
+    out = {}
+    for dev, ls in by_device.items():
+        for i, l in enumerate(ls):
+            out[l] = stacks[dev][0][i]
+    return out, ce
 
 
 @dataclass

@@ -58,20 +58,21 @@ def head_loss_and_error(
     running_max = torch.full((n,), float("-inf"), dtype=dtype, device=hn.device)
     denom = torch.zeros(n, dtype=dtype, device=hn.device)
     acc = torch.zeros_like(hn) if need_error else None
-    z_target = torch.empty(n, dtype=dtype, device=hn.device)
-    dz_target = torch.empty(n, dtype=dtype, device=hn.device)
-    rows = torch.arange(n, device=hn.device)
+    z_target = torch.zeros(n, dtype=dtype, device=hn.device)
+    dz_target = torch.full((n,), float(transform.scale), dtype=dtype, device=hn.device)
     for start in range(0, vocab, vocab_chunk):
         w = weight[start : start + vocab_chunk].to(dtype)
         z0 = hn @ w.T
         if bias is not None:
             z0 = z0 + bias[start : start + vocab_chunk].to(dtype)
         z, dz = transform.apply(z0)
+        # the target's logit and derivative, gathered without a host sync (no data-dependent
+        # indexing): clamp the index into the chunk, keep it only where the target falls inside
         in_chunk = (targets >= start) & (targets < start + w.shape[0])
-        if in_chunk.any():
-            local = (targets[in_chunk] - start).long()
-            z_target[in_chunk] = z[rows[in_chunk], local]
-            dz_target[in_chunk] = dz[rows[in_chunk], local] if torch.is_tensor(dz) else dz
+        local = (targets - start).clamp(0, w.shape[0] - 1).long()[:, None]
+        z_target = torch.where(in_chunk, z.gather(1, local)[:, 0], z_target)
+        if torch.is_tensor(dz):
+            dz_target = torch.where(in_chunk, dz.gather(1, local)[:, 0], dz_target)
         new_max = torch.maximum(running_max, z.max(dim=1).values)
         rescale = torch.exp(running_max - new_max)
         p = torch.exp(z - new_max[:, None])

@@ -53,9 +53,12 @@ def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
 @torch.inference_mode()
 def completion_ce(parts: ModelParts, batches: Iterable[Batch]) -> TokenCE:
     """Mean per-token CE over the completion tokens of ``batches`` (EOS included and excluded)."""
+    losses, eos = [], []
+    for batch in batches:  # no host sync inside the loop
+        losses.append(position_losses(parts, batch))
+        eos.append(batch.is_eos)
     ce = TokenCE()
-    for batch in batches:
-        ce.add(position_losses(parts, batch).cpu(), batch.is_eos)
+    ce.add(torch.cat(losses), torch.cat(eos))
     return ce
 
 
@@ -94,9 +97,7 @@ def score_choices(
     return out, ce
 
 
-def choice_loglik(
-    parts: ModelParts, batches: Iterable[Batch]
-) -> dict[tuple[int, int], tuple[float, int]]:
+def choice_loglik(parts: ModelParts, batches: Iterable[Batch]) -> dict[tuple[int, int], tuple[float, int]]:
     """Summed log-likelihood of each choice's tokens after its prompt (EOS excluded), batched.
 
     Returns ``{(source, choice): (loglik, n_chars)}`` for every sequence in ``batches``.
@@ -163,7 +164,11 @@ RECOVERY_FLAG = "‡"  # printed in place of a recovery ratio whose denominator 
 
 
 def recovery(
-    frozen: float, method: float, lora: float, *, higher_is_better: bool = False,
+    frozen: float,
+    method: float,
+    lora: float,
+    *,
+    higher_is_better: bool = False,
     tol: float = RECOVERY_TOL,
 ) -> float | None:
     """``(method − frozen) / (lora − frozen)``: the share of LoRA's improvement that a method gets.
@@ -191,9 +196,7 @@ def recovery_ce(ce_frozen: float, ce_method: float, ce_lora: float, *, tol: floa
     return recovery(ce_frozen, ce_method, ce_lora, higher_is_better=False, tol=tol)
 
 
-def recovery_acc(
-    acc_frozen: float, acc_method: float, acc_lora: float, *, tol: float = RECOVERY_TOL
-):
+def recovery_acc(acc_frozen: float, acc_method: float, acc_lora: float, *, tol: float = RECOVERY_TOL):
     """``R_acc`` (SPEC §5); None when flagged (see :func:`recovery`)."""
     return recovery(acc_frozen, acc_method, acc_lora, higher_is_better=True, tol=tol)
 

@@ -105,11 +105,14 @@ def random_factors(d: int, rank: int, generator: torch.Generator) -> FeedbackFac
 
 @dataclass
 class BlockStats:
-    """The persistent Stage II statistics of one block: r² + k·r numbers, independent of d and N.
+    """The persistent Stage II statistics of a block: r² + k·r numbers, independent of d and N.
 
     ``gram`` is G = Σ p p^T (r×r). ``cross`` is Σ_batches s · Y P with Y = V_k^T E^T (k×N), so
     that Σ ρ p^T = B G − η (U_k Σ_k) · cross (the spec's U_k M with M = Σ s Σ_k Y P; keeping Σ_k
     inside the stored factor ``us`` avoids dividing by small singular values).
+
+    The same object can hold a stack of blocks (a leading dimension on every tensor): one batched
+    kernel per statistic for all blocks, instead of a handful of tiny kernels per block.
     """
 
     gram: Tensor
@@ -117,29 +120,37 @@ class BlockStats:
     positions: int = 0
 
     @classmethod
-    def zeros(cls, rank: int, k: int, device: torch.device | str = "cpu") -> BlockStats:
+    def zeros(
+        cls, rank: int, k: int, device: torch.device | str = "cpu", blocks: int | None = None
+    ) -> BlockStats:
+        lead = () if blocks is None else (blocks,)
         z = dict(dtype=torch.float64, device=device)
-        return cls(gram=torch.zeros(rank, rank, **z), cross=torch.zeros(k, rank, **z))
+        return cls(gram=torch.zeros(*lead, rank, rank, **z), cross=torch.zeros(*lead, k, rank, **z))
+
+    def __getitem__(self, i: int) -> BlockStats:
+        """One block of a stack."""
+        return BlockStats(self.gram[i], self.cross[i], self.positions)
 
     def add_inputs(self, p: Tensor) -> None:
-        """Accumulate the Gram matrix of the adapter codes ``p = A h_{l-1}`` (N×r)."""
+        """Accumulate the Gram matrix of the adapter codes ``p = A h_{l-1}`` (N×r, or L×N×r)."""
         p = p.double()
-        self.gram += p.T @ p
-        self.positions += p.shape[0]
+        self.gram += p.mT @ p
+        self.positions += p.shape[-2]
 
     def add_targets(self, p: Tensor, h_sumsq: Tensor, y: Tensor, sigma: Tensor) -> Tensor:
-        """Accumulate one batch's target statistic and return its step scale ``s`` (a 0-d tensor).
+        """Accumulate one batch's target statistic and return its step scale ``s`` (a tensor).
 
-        ``y = E V_k`` (N×k), ``sigma`` the singular values (k). The scale-normalised step is
+        ``y = E V_k`` (N×k), ``sigma`` the singular values (k), ``h_sumsq`` = Σ ||h_{l-1}||²
+        (each with a leading block dimension for a stack). The scale-normalised step is
         ``s = RMS(H_{l-1}) / RMS(Q)`` with ``Q = F E^T``; both RMS share the N·d denominator, and
         ``||Q||_F = ||Σ_k Y||_F`` since U_k is orthonormal, so ``s = ||H||_F / ||Σ_k Y||_F``.
         """
         y = y.double()
-        q_norm = (y * sigma.to(y)).norm()
+        q_norm = (y * sigma.to(y).unsqueeze(-2)).pow(2).sum((-2, -1)).sqrt()
         h_norm = torch.as_tensor(h_sumsq, dtype=torch.float64, device=y.device).sqrt()
         # kept as a tensor (no host sync); a zero error (q_norm = 0) contributes nothing
         s = torch.where(q_norm > 0, h_norm / q_norm, torch.zeros_like(q_norm))
-        self.cross += s * (y.T @ p.double())
+        self.cross += s[..., None, None] * (y.mT @ p.double())
         return s
 
 
