@@ -55,8 +55,8 @@ class ResidualAdapters:
         self.B = [torch.zeros(d, rank, dtype=torch.float32, device=dev) for dev in self.devices]
         self._handles: list = []
         self._recorder: Recorder | None = None
-        self._active_key: list[tuple | None] = [None] * len(self.B)
-        self._active: list[bool] = [False] * len(self.B)
+        self._active: dict[int, tuple] = {}  # caches keyed by the B tensor and its version
+        self._casts: dict[int, tuple] = {}
 
     # -- attach / detach -------------------------------------------------------------------
     @property
@@ -101,10 +101,21 @@ class ResidualAdapters:
     def _is_active(self, layer: int, b: Tensor) -> bool:
         """Whether B_l is non-zero, cached per tensor and in-place version: checking on every
         forward would cost a device sync per block on a GPU."""
-        key = (id(b), b._version)
-        if self._active_key[layer] != key:
-            self._active_key[layer], self._active[layer] = key, bool(b.any())
-        return self._active[layer]
+        cached = self._active.get(layer)  # (tensor, version, flag); holding the tensor keeps
+        if cached is None or cached[0] is not b or cached[1] != b._version:  # its id unique
+            cached = (b, b._version, bool(b.any()))
+            self._active[layer] = cached
+        return cached[2]
+
+    def _cast(self, layer: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Aᵀ and Bᵀ in ``dtype``, cached per B tensor and version (one cast per update, not per
+        forward)."""
+        b = self.B[layer]
+        cached = self._casts.get(layer)
+        if cached is None or cached[0] is not b or cached[1] != (b._version, dtype):
+            cached = (b, (b._version, dtype), self.A[layer].T.to(dtype), b.T.to(dtype))
+            self._casts[layer] = cached
+        return cached[2], cached[3]
 
     def _hook(self, layer: int):
         def hook(module, args, kwargs, output):
@@ -122,8 +133,8 @@ class ResidualAdapters:
             # A and B are stored in float32; the full-sequence correction runs in the hidden
             # dtype, so a bf16 backbone's activations are not doubled by float32 copies (the
             # correction is rounded to that dtype when added anyway). Statistics stay float32.
-            a, b = self.A[layer].to(h_in.dtype), b.to(h_in.dtype)
-            h_new = h_out + (h_in @ a.T) @ b.T
+            a, b = self._cast(layer, h_in.dtype)
+            h_new = h_out + (h_in @ a) @ b
             return (h_new, *output[1:]) if isinstance(output, tuple) else h_new
 
         return hook

@@ -39,7 +39,7 @@ def head_loss_and_error(
     transform: LogitTransform = LogitTransform(),
     *,
     need_error: bool = True,
-    vocab_chunk: int = 16384,
+    vocab_chunk: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Cross-entropy per row and (optionally) the head error ``dLoss_t/dhn_t``.
 
@@ -50,11 +50,15 @@ def head_loss_and_error(
         targets: next-token ids, length N.
     Returns:
         ``(loss, e)``: loss (N,) in nats and e (N×d), or None when ``need_error`` is False.
-    The compute dtype is float32, or float64 when ``hn`` is float64.
+    The compute dtype is float32, or float64 when ``hn`` is float64. ``vocab_chunk`` defaults to
+    16384 rows, fewer for wide models, so a chunk of the weight cast to the compute dtype (for a
+    bf16/fp16 head) stays near 8 MB.
     """
     dtype = torch.promote_types(hn.dtype, torch.float32)
     hn = hn.to(dtype)
     n, vocab = hn.shape[0], weight.shape[0]
+    if vocab_chunk is None:
+        vocab_chunk = max(2048, min(16384, 2**21 // weight.shape[1]))
     running_max = torch.full((n,), float("-inf"), dtype=dtype, device=hn.device)
     denom = torch.zeros(n, dtype=dtype, device=hn.device)
     acc = torch.zeros_like(hn) if need_error else None
