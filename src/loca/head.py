@@ -45,35 +45,48 @@ def head_loss_and_error(
 
     Args:
         hn: normalised final hidden states at predict positions, N×d.
-        weight: head weight V×d (any dtype; chunks are cast to the compute dtype).
+        weight: head weight V×d.
         bias: head bias of length V, or None.
         targets: next-token ids, length N.
+        vocab_chunk: vocabulary rows per chunk; default: as many as keep an N×chunk float32
+            tensor near 16 MB (1,024 to 65,536), so few chunks (kernel launches) for few rows.
     Returns:
         ``(loss, e)``: loss (N,) in nats and e (N×d), or None when ``need_error`` is False.
-    The compute dtype is float32, or float64 when ``hn`` is float64. ``vocab_chunk`` defaults to
-    16384 rows, fewer for wide models, so a chunk of the weight cast to the compute dtype (for a
-    bf16/fp16 head) stays near 8 MB.
+
+    Softmax, loss and error arithmetic run in float32 (float64 when ``hn`` is). A float32/64 head
+    takes one pass with an online softmax. A bf16/fp16 head is never copied to float32 (that copy
+    would cost more memory than the forward's activations): its matmuls run in its own dtype, as
+    the model's forward and autograd do, in two passes — the log-normaliser first, then
+    ``softmax − onehot`` formed in float32 *before* it is rounded for the second matmul, so a
+    confident prediction's small error is not lost to cancellation.
     """
     dtype = torch.promote_types(hn.dtype, torch.float32)
-    hn = hn.to(dtype)
-    n, vocab = hn.shape[0], weight.shape[0]
-    if vocab_chunk is None:
-        vocab_chunk = max(2048, min(16384, 2**21 // weight.shape[1]))
+    n = hn.shape[0]
+    chunk = vocab_chunk or max(1024, min(65536, 2**22 // max(n, 1)))
+    low_precision = weight.dtype.itemsize < 4
+    mm_dtype = weight.dtype if low_precision else dtype
+    hn_mm = hn.to(mm_dtype)
+
+    def chunks():
+        for start in range(0, weight.shape[0], chunk):
+            w = weight[start : start + chunk].to(mm_dtype)
+            z0 = (hn_mm @ w.T).to(dtype)
+            if bias is not None:
+                z0 = z0 + bias[start : start + chunk].to(dtype)
+            z, dz = transform.apply(z0)
+            # where the target falls in this chunk, gathered without a host sync: clamp the
+            # index into the chunk and keep the value only where the target is inside
+            in_chunk = (targets >= start) & (targets < start + w.shape[0])
+            local = (targets - start).clamp(0, w.shape[0] - 1).long()[:, None]
+            yield w, z, dz, in_chunk, local
+
     running_max = torch.full((n,), float("-inf"), dtype=dtype, device=hn.device)
     denom = torch.zeros(n, dtype=dtype, device=hn.device)
-    acc = torch.zeros_like(hn) if need_error else None
     z_target = torch.zeros(n, dtype=dtype, device=hn.device)
     dz_target = torch.full((n,), float(transform.scale), dtype=dtype, device=hn.device)
-    for start in range(0, vocab, vocab_chunk):
-        w = weight[start : start + vocab_chunk].to(dtype)
-        z0 = hn @ w.T
-        if bias is not None:
-            z0 = z0 + bias[start : start + vocab_chunk].to(dtype)
-        z, dz = transform.apply(z0)
-        # the target's logit and derivative, gathered without a host sync (no data-dependent
-        # indexing): clamp the index into the chunk, keep it only where the target falls inside
-        in_chunk = (targets >= start) & (targets < start + w.shape[0])
-        local = (targets - start).clamp(0, w.shape[0] - 1).long()[:, None]
+    online = need_error and not low_precision
+    acc = torch.zeros(n, hn.shape[1], dtype=dtype, device=hn.device) if need_error else None
+    for w, z, dz, in_chunk, local in chunks():
         z_target = torch.where(in_chunk, z.gather(1, local)[:, 0], z_target)
         if torch.is_tensor(dz):
             dz_target = torch.where(in_chunk, dz.gather(1, local)[:, 0], dz_target)
@@ -81,13 +94,19 @@ def head_loss_and_error(
         rescale = torch.exp(running_max - new_max)
         p = torch.exp(z - new_max[:, None])
         denom = denom * rescale + p.sum(dim=1)
-        if acc is not None:
-            acc = acc * rescale[:, None] + ((p * dz) if torch.is_tensor(dz) else p) @ w
+        if online:
+            acc = acc * rescale[:, None] + (p * dz if torch.is_tensor(dz) else p) @ w
         running_max = new_max
-    loss = running_max + torch.log(denom) - z_target
-    if acc is None:
+    lse = running_max + torch.log(denom)
+    loss = lse - z_target
+    if not need_error:
         return loss, None
-    if not transform.softcap and transform.scale != 1.0:  # the constant dz/dz0 left out above
-        acc = acc * transform.scale
-    error = acc / denom[:, None] - dz_target[:, None] * weight[targets].to(dtype)
-    return loss, error
+    if online:
+        if not torch.is_tensor(dz):  # the constant dz/dz0 was left out of the accumulation
+            acc = acc * transform.scale
+        return loss, acc / denom[:, None] - dz_target[:, None] * weight[targets].to(dtype)
+    for w, z, dz, in_chunk, local in chunks():
+        g = torch.exp(z - lse[:, None]) * dz
+        g.scatter_add_(1, local, -(dz_target * in_chunk)[:, None])
+        acc += (g.to(mm_dtype) @ w).to(dtype)
+    return loss, acc
