@@ -32,13 +32,14 @@ def adapter_a(seed: int, layer: int, rank: int, d: int) -> Tensor:
 
 
 class Recorder:
-    """Collects, during one forward pass, the adapter codes ``p = A h_{l-1}`` at predict positions."""
+    """Collects, during one forward pass, at the predict positions only: the adapter codes
+    ``p = A h_{l-1}`` (N×r) and the norm ``||h_{l-1}||_F`` of each recorded block's input."""
 
     def __init__(self, pos_b: Tensor, pos_t: Tensor, blocks: set[int] | None = None):
         self.pos_b, self.pos_t = pos_b, pos_t
         self.blocks = blocks
         self.codes: dict[int, Tensor] = {}  # l -> p (N×r), float32
-        self.input_sumsq: dict[int, Tensor] = {}  # l -> Σ ||h_{l-1}||² over predict positions
+        self.input_norms: dict[int, Tensor] = {}  # l -> ||h_{l-1}||_F over predict positions
 
     def wants(self, layer: int) -> bool:
         return self.blocks is None or layer in self.blocks
@@ -126,7 +127,7 @@ class ResidualAdapters:
             if rec is not None and rec.wants(layer):
                 rows = h_in[rec.pos_b, rec.pos_t].float()
                 rec.codes[layer] = rows @ self.A[layer].T
-                rec.input_sumsq[layer] = rows.pow(2).sum()
+                rec.input_norms[layer] = torch.linalg.vector_norm(rows)
             if not active:
                 return None
             h_out = output[0] if isinstance(output, tuple) else output
@@ -134,7 +135,9 @@ class ResidualAdapters:
             # dtype, so a bf16 backbone's activations are not doubled by float32 copies (the
             # correction is rounded to that dtype when added anyway). Statistics stay float32.
             a, b = self._cast(layer, h_in.dtype)
-            h_new = h_out + (h_in @ a) @ b
+            d = h_out.shape[-1]
+            h_new = torch.addmm(h_out.reshape(-1, d), (h_in @ a).reshape(-1, a.shape[1]), b)
+            h_new = h_new.view(h_out.shape)
             return (h_new, *output[1:]) if isinstance(output, tuple) else h_new
 
         return hook

@@ -42,8 +42,9 @@ def collect_statistics(
 ) -> tuple[dict[int, BlockStats], TokenCE]:
     """One forward pass: per-block statistics for ``blocks`` and the training CE before the update.
 
-    Blocks on one device are processed as a stack (a few batched kernels per batch for all of
-    them) and nothing is copied to the host inside the loop, so a GPU never waits on Python.
+    The hooks keep only the codes p (N×r) and an input norm per block; the statistics of all
+    blocks on a device are then updated as one stack (a few batched kernels per batch), and
+    nothing is copied to the host inside the loop, so a GPU never waits on Python.
     """
     by_device: dict[torch.device, list[int]] = {}
     for l in blocks:
@@ -68,7 +69,7 @@ def collect_statistics(
         for dev, ls in by_device.items():
             stats, v_all, sigma = stacks[dev]
             p = torch.stack([rec.codes[l] for l in ls])  # L × N × r
-            h_sumsq = torch.stack([rec.input_sumsq[l] for l in ls])
+            h_sumsq = torch.stack([rec.input_norms[l] for l in ls]).square()
             e_dev = e.to(dev)
             y = (e_dev @ v_all.to(e_dev.dtype)).view(-1, len(ls), k).transpose(0, 1)  # L × N × k
             stats.add_inputs(p)
