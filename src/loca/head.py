@@ -49,7 +49,7 @@ def head_loss_and_error(
         bias: head bias of length V, or None.
         targets: next-token ids, length N.
         vocab_chunk: vocabulary rows per chunk; default: as many as keep an N×chunk float32
-            tensor near 16 MB (1,024 to 65,536), so few chunks (kernel launches) for few rows.
+            tensor near 4 MB (1,024 to 65,536), so few chunks (kernel launches) for few rows.
     Returns:
         ``(loss, e)``: loss (N,) in nats and e (N×d), or None when ``need_error`` is False.
 
@@ -62,7 +62,7 @@ def head_loss_and_error(
     """
     dtype = torch.promote_types(hn.dtype, torch.float32)
     n = hn.shape[0]
-    chunk = vocab_chunk or max(1024, min(65536, 2**22 // max(n, 1)))
+    chunk = vocab_chunk or max(1024, min(65536, 2**20 // max(n, 1)))
     low_precision = weight.dtype.itemsize < 4
     mm_dtype = weight.dtype if low_precision else dtype
     hn_mm = hn.to(mm_dtype)
