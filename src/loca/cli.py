@@ -24,7 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in RECIPES.items():
         recipe = importlib.import_module(f"loca.recipes.{module}")
-        p = sub.add_parser(name, help=recipe.__doc__.strip().splitlines()[0], description=recipe.__doc__)
+        p = sub.add_parser(
+            name,
+            help=recipe.__doc__.strip().splitlines()[0],
+            description=recipe.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         recipe.add_arguments(p)
         p.set_defaults(_run=recipe.run)
     return parser

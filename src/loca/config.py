@@ -63,7 +63,3 @@ class LocaConfig:
         if unknown:
             raise ValueError(f"unknown LocaConfig keys: {sorted(unknown)}")
         return cls(**d)
-
-    @staticmethod
-    def help(name: str) -> str:
-        return next(f.metadata["help"] for f in fields(LocaConfig) if f.name == name)
