@@ -130,3 +130,8 @@ def test_random_init_needs_only_config_and_tokenizer(setup, tmp_path):
             (folder / f.name).write_bytes(f.read_bytes())
     args = ["bench", "--model", str(folder), "--random-init", *common[2:], "--n-train", "8"]
     assert main([*args, "--phases", "stage2", "--repeats", "1", "--out", str(tmp_path / "b")]) == 0
+
+
+def test_a_missing_model_is_a_clear_error(tmp_path, capsys):
+    assert main(["fit", "--model", str(tmp_path / "nowhere"), "--quiet", "--n-train", "4"]) == 2
+    assert "could not load model" in capsys.readouterr().err

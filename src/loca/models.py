@@ -171,12 +171,20 @@ def load_model(
         path = ensure_alias(name)
     elif not Path(name).exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in name:
         raise ValueError(f"model {name!r} is neither a folder nor a built-in alias ({', '.join(ALIASES)})")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if random_init:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=DTYPES[dtype])
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if random_init:
+            torch.manual_seed(seed)
+            config = AutoConfig.from_pretrained(path)
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"could not load model {name!r}: not a model folder, not a built-in alias "
+            f"({', '.join(ALIASES)}), and the hub could not provide it ({first})"
+        ) from exc
     model.to(resolve_device(device)).eval()
     model.requires_grad_(False)
     return model, tokenizer
