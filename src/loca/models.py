@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,8 +168,6 @@ def load_model(
     path: str | Path = name
     if name in ALIASES:
         path = ensure_alias(name)
-    elif not Path(name).exists() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in name:
-        raise ValueError(f"model {name!r} is neither a folder nor a built-in alias ({', '.join(ALIASES)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if random_init:
