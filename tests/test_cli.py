@@ -46,6 +46,7 @@ def test_fit_writes_config_history_results_adapter_and_maps(setup, capsys):
         assert {"heldout_ce", "test_ce", "test_acc"} <= results[name].keys()
     assert {"eta", "lam", "best_iteration", "wall_time_s", "alignment"} <= results.keys()
     assert len(results["alignment"]["probe"]) == 2
+    assert 0 <= results["padding_fraction"]["train"] < 0.5
     assert results["loca"]["heldout_ce"] <= results["frozen"]["heldout_ce"]
     config = json.loads((out / "config.json").read_text())
     assert config["loca"]["rank"] == 4 and config["splits"]["seed"] == 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..adapters import ResidualAdapters
 from ..calibrate import FeedbackMaps, select_probe
+from ..data import padding_fraction
 from ..fit import fit
 from ..io import atomic_write_json, atomic_write_text
 from ..metrics import evaluate
@@ -128,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "improved": result.improved,
         "stop_reasons": result.stop_reasons,
         "alignment": align,
+        "padding_fraction": {"train": padding_fraction(train), "heldout": padding_fraction(heldout)},
         "fit_wall_time_s": result.wall_time_s,
         "wall_time_s": time.perf_counter() - start,
     }
