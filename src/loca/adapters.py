@@ -51,13 +51,12 @@ class ResidualAdapters:
     def __init__(self, parts: ModelParts, rank: int = 32, seed: int = 0):
         self.parts, self.rank, self.seed = parts, rank, seed
         d = parts.hidden_size
-        self.devices = [next(b.parameters()).device for b in parts.blocks]
+        self.devices = parts.block_devices()
         self.A = [adapter_a(seed, i, rank, d).to(dev) for i, dev in enumerate(self.devices)]
         self.B = [torch.zeros(d, rank, dtype=torch.float32, device=dev) for dev in self.devices]
         self._handles: list = []
         self._recorder: Recorder | None = None
-        self._active: dict[int, tuple] = {}  # caches keyed by the B tensor and its version
-        self._casts: dict[int, tuple] = {}
+        self._derived: dict[int, tuple] = {}  # per block: what is derived from B (see _b_state)
 
     # -- attach / detach -------------------------------------------------------------------
     @property
@@ -99,31 +98,24 @@ class ResidualAdapters:
         finally:
             self._recorder = None
 
-    def _is_active(self, layer: int, b: Tensor) -> bool:
-        """Whether B_l is non-zero, cached per tensor and in-place version: checking on every
-        forward would cost a device sync per block on a GPU."""
-        cached = self._active.get(layer)  # (tensor, version, flag); holding the tensor keeps
-        if cached is None or cached[0] is not b or cached[1] != b._version:  # its id unique
-            cached = (b, b._version, bool(b.any()))
-            self._active[layer] = cached
-        return cached[2]
-
-    def _cast(self, layer: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Aᵀ and Bᵀ in ``dtype``, cached per B tensor and version (one cast per update, not per
-        forward)."""
+    def _b_state(self, layer: int, dtype: torch.dtype) -> tuple[bool, Tensor, Tensor]:
+        """``(B_l ≠ 0, Aᵀ, Bᵀ)`` with A and B cast to ``dtype``, recomputed only when B_l is
+        replaced or edited in place (its version changes): testing B on every forward would cost
+        a device sync per block on a GPU, and casting it a kernel launch. The cache holds the B
+        tensor itself, so its identity cannot be reused by another tensor."""
         b = self.B[layer]
-        cached = self._casts.get(layer)
+        cached = self._derived.get(layer)
         if cached is None or cached[0] is not b or cached[1] != (b._version, dtype):
-            cached = (b, (b._version, dtype), self.A[layer].T.to(dtype), b.T.to(dtype))
-            self._casts[layer] = cached
-        return cached[2], cached[3]
+            active = bool(b.any())
+            cached = (b, (b._version, dtype), active, self.A[layer].T.to(dtype), b.T.to(dtype))
+            self._derived[layer] = cached
+        return cached[2], cached[3], cached[4]
 
     def _hook(self, layer: int):
         def hook(module, args, kwargs, output):
             h_in = args[0] if args else kwargs["hidden_states"]
             rec = self._recorder
-            b = self.B[layer]
-            active = self._is_active(layer, b)
+            active, a, b = self._b_state(layer, h_in.dtype)
             if rec is not None and rec.wants(layer):
                 rows = h_in[rec.pos_b, rec.pos_t].float()
                 rec.codes[layer] = rows @ self.A[layer].T
@@ -134,7 +126,6 @@ class ResidualAdapters:
             # A and B are stored in float32; the full-sequence correction runs in the hidden
             # dtype, so a bf16 backbone's activations are not doubled by float32 copies (the
             # correction is rounded to that dtype when added anyway). Statistics stay float32.
-            a, b = self._cast(layer, h_in.dtype)
             d = h_out.shape[-1]
             h_new = torch.addmm(h_out.reshape(-1, d), (h_in @ a).reshape(-1, a.shape[1]), b)
             h_new = h_new.view(h_out.shape)

@@ -82,8 +82,13 @@ class PhaseResult:
         return asdict(self)
 
 
-def measure_once(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
-    """Run ``fn`` once; return (seconds, peak MB beyond baseline, median MB beyond baseline)."""
+def measure_once(
+    fn: Callable[[], object], device: torch.device, sample_rss: bool = True
+) -> tuple[float, float, float]:
+    """Run ``fn`` once; return (seconds, peak MB beyond baseline, median MB beyond baseline).
+
+    On the CPU with ``sample_rss=False`` no sampling thread runs and both MB figures are NaN.
+    """
     _trim()
     mb = 2.0**20
     if device.type == "cuda":
@@ -97,6 +102,10 @@ def measure_once(fn: Callable[[], object], device: torch.device) -> tuple[float,
         dt = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated(device) - base) / mb
         return dt, peak, peak
+    if not sample_rss:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, float("nan"), float("nan")
     base = psutil.Process().memory_info().rss
     with RssSampler() as sampler:
         t0 = time.perf_counter()
@@ -112,8 +121,8 @@ def measure_phases(
     """Time every phase ``repeats`` times, interleaved (round-robin), after ``warmup`` runs each.
 
     On the CPU, memory is measured in one more interleaved sweep with glibc returning every freed
-    buffer to the OS (see :func:`exact_rss_accounting`), and time in sweeps with glibc's usual
-    caching of large buffers, so the page faults of exact accounting do not distort the timings.
+    buffer to the OS (see the note above :class:`RssSampler`), and time in sweeps with glibc's
+    usual caching of large buffers and no sampling thread, so neither distorts the timings.
     """
     for fn in phases.values():
         for _ in range(warmup):
@@ -128,7 +137,7 @@ def measure_phases(
         _LIBC.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
     for _ in range(repeats):
         for name, fn in phases.items():
-            runs[name].append(measure_once(fn, device))
+            runs[name].append(measure_once(fn, device, sample_rss=not exact))
             if not exact:
                 memory[name].append(runs[name][-1][1:])
     return [

@@ -43,7 +43,7 @@ class FeedbackMaps:
 
     def to_blocks(self, parts: ModelParts) -> FeedbackMaps:
         """Move each block's factors to that block's device."""
-        devices = [next(b.parameters()).device for b in parts.blocks]
+        devices = parts.block_devices()
         moved = [FeedbackFactors(f.us.to(d), f.v.to(d)) for f, d in zip(self.factors, devices, strict=True)]
         return FeedbackMaps(moved, self.fingerprint, self.meta)
 
@@ -173,9 +173,7 @@ def calibrate(
         d = parts.hidden_size
         random_maps = [random_factors(d, factors[0].v.shape[1], gen) for _ in factors]
         diag = {
-            "probe": [
-                alignment(f.to_device(errors.device), errors, g) for f, g in zip(factors, grads, strict=True)
-            ],
+            "probe": [alignment(f, errors, g) for f, g in zip(factors, grads, strict=True)],
             "random": [
                 alignment(r.to_device(errors.device), errors, g)
                 for r, g in zip(random_maps, grads, strict=True)
@@ -183,9 +181,7 @@ def calibrate(
         }
         if heldout_probe:
             h_err, h_grads = probe_gradients(parts, heldout_probe, micro_batch, pad_id)
-            diag["heldout"] = [
-                alignment(f.to_device(h_err.device), h_err, g) for f, g in zip(factors, h_grads, strict=True)
-            ]
+            diag["heldout"] = [alignment(f, h_err, g) for f, g in zip(factors, h_grads, strict=True)]
     finally:
         parts.model.train(was_training)
     if max(diag["probe"]) <= 0:

@@ -204,7 +204,8 @@ def fit(
                             stats, ce = shared
                         else:
                             stats, ce = collect_statistics(parts, adapters, maps, train, blocks)
-                        train_ce = ce.mean if gi == 0 else train_ce
+                        if gi == 0:
+                            train_ce = ce.mean
                         for l in blocks:
                             us = maps.factors[l].us
                             adapters.B[l] = solve_block(adapters.B[l], stats[l], us, traj.eta, traj.lam_rel)

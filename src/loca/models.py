@@ -35,6 +35,10 @@ class ModelParts:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    def block_devices(self) -> list[torch.device]:
+        """The device of each block (they differ when a model is spread over several GPUs)."""
+        return [next(b.parameters()).device for b in self.blocks]
+
     @property
     def device(self) -> torch.device:
         return self.head.weight.device

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..calibrate import select_probe
 from .common import add_config_args, add_data_args, add_model_args, setup_run
 
 
@@ -25,10 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run = setup_run(args)
-    cfg = run.cfg
-    probe = select_probe(run.encode(run.splits.train), cfg.probe_positions, cfg.seed)
-    heldout = select_probe(run.encode(run.splits.heldout), max(1, cfg.probe_positions // 4), cfg.seed + 1)
-    maps = run.calibrate(probe, heldout)
+    maps = run.calibrate(run.encode(run.splits.train), run.encode(run.splits.heldout))
     maps.meta.update({"task": run.task.name, "splits": run.splits.record})
     maps.save_pretrained(args.out)
     a = maps.meta["alignment"]

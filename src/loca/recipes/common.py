@@ -7,7 +7,7 @@ import os
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from ..calibrate import FeedbackMaps, calibrate
+from ..calibrate import FeedbackMaps, calibrate, select_probe
 from ..config import LocaConfig
 from ..data import Batch, Encoded, Splits, Task, encode_examples, get_task, load_splits, make_batches
 from ..data.batching import pad_token_id
@@ -119,8 +119,12 @@ class RunSetup:
     def batches(self, items: list[Encoded]) -> list[Batch]:
         return make_batches(items, self.pad_id, batch_size=self.cfg.batch_size)
 
-    def calibrate(self, probe: list[Encoded], heldout_probe: list[Encoded] = ()) -> FeedbackMaps:
+    def calibrate(self, train: list[Encoded], heldout: list[Encoded] = ()) -> FeedbackMaps:
+        """Stage I on a seeded probe drawn from ``train`` (``probe_positions`` predict positions),
+        with the held-out alignment diagnostic on a quarter as many from ``heldout``."""
         cfg = self.cfg
+        probe = select_probe(train, cfg.probe_positions, cfg.seed)
+        heldout_probe = select_probe(heldout, max(1, cfg.probe_positions // 4), cfg.seed + 1)
         return calibrate(
             self.parts, probe, heldout_probe, rank=cfg.feedback_rank, beta_rel=cfg.beta_rel,
             micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id, seed=cfg.seed,

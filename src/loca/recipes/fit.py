@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..adapters import ResidualAdapters
-from ..calibrate import FeedbackMaps, select_probe
+from ..calibrate import FeedbackMaps
 from ..data import padding_fraction
 from ..fit import fit
 from ..io import atomic_write_json, atomic_write_text
@@ -66,10 +66,8 @@ def run(args: argparse.Namespace) -> int:
     if args.maps:
         maps = FeedbackMaps.from_pretrained(args.maps, parts)
     else:
-        probe = select_probe(train_items, cfg.probe_positions, cfg.seed)
-        heldout_probe = select_probe(heldout_items, max(1, cfg.probe_positions // 4), cfg.seed + 1)
         t0 = time.perf_counter()
-        maps = run.calibrate(probe, heldout_probe)
+        maps = run.calibrate(train_items, heldout_items)
         maps.meta["calibration_time_s"] = time.perf_counter() - t0
         if out:
             maps.save_pretrained(out / "maps")
