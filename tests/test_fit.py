@@ -183,3 +183,16 @@ def test_statistics_are_tiny():
     for s in stats.values():
         assert s.gram.shape == (8, 8) and s.cross.shape == (8, 8)
     assert math.isfinite(ce.mean)
+
+
+def test_absolute_step_scale_is_an_option():
+    _, parts, maps, train, heldout = tiny_setup()
+    kw = dict(rank=8, etas=(0.01,), max_iters=1, patience=1, progress=False)
+    rel = fit(parts, maps, train, heldout, **kw).adapters
+    b_rel = rel.get_b()
+    rel.detach()
+    ab = fit(parts, maps, train, heldout, step_scale="absolute", **kw).adapters
+    assert not all(torch.equal(x, y) for x, y in zip(b_rel, ab.get_b(), strict=True))
+    ab.detach()
+    with pytest.raises(ValueError, match="step_scale"):
+        fit(parts, maps, train, heldout, step_scale="bogus", **kw)

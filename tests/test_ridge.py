@@ -156,3 +156,23 @@ def test_a_stack_of_blocks_equals_the_blocks_one_by_one():
         torch.testing.assert_close(stack[i].gram, one.gram)
         torch.testing.assert_close(stack[i].cross, one.cross)
         torch.testing.assert_close(s_all[i], s)
+
+
+def test_absolute_step_uses_eta_unscaled():
+    """With normalize=False the target is ρ = B p − η F e (s = 1), the paper's absolute-η ablation."""
+    gen = torch.Generator().manual_seed(4)
+    d, r, k, n = 20, 5, 3, 9
+    u, _ = torch.linalg.qr(torch.randn(d, k, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(d, k, generator=gen))
+    sigma = torch.rand(k, generator=gen) + 0.5
+    us = u * sigma
+    a, b = torch.randn(r, d, generator=gen), torch.randn(d, r, generator=gen)
+    h, e = torch.randn(n, d, generator=gen) * 5, torch.randn(n, d, generator=gen)
+    p = h @ a.T
+    stats = BlockStats.zeros(r, k)
+    stats.add_inputs(p)
+    s = stats.add_targets(p, h.pow(2).sum(), e @ v, sigma, normalize=False)
+    assert float(s) == 1.0
+    rho = p @ b.T - 0.1 * (e @ v @ us.T)
+    c = b @ stats.gram - 0.1 * us @ stats.cross
+    torch.testing.assert_close(c, rho.T @ p, atol=1e-9, rtol=1e-9)

@@ -20,6 +20,11 @@ class LocaConfig:
     beta_rel: float = _f(1e-3, "relative ridge of the feedback fit: β = β_rel·trace(EᵀE)/d")
     lam_rel: list[float] = _f([1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r")
     etas: list[float] = _f([0.003, 0.01, 0.03], "dimensionless step-size candidates η")
+    step_scale: str = _f(
+        "rms",
+        "target step: 'rms' = η relative to the residual stream (η·RMS(h)/RMS(F e) per block and "
+        "batch); 'absolute' = η as an absolute step (the paper's unnormalised ablation)",
+    )
     max_iters: int = _f(40, "maximum number of outer iterations T_max")
     patience: int = _f(3, "stop a trajectory after this many iterations without held-out improvement")
     groups: int = _f(1, "Gauss–Seidel groups: 1 = Jacobi, num_blocks = full Gauss–Seidel")
@@ -39,6 +44,7 @@ class LocaConfig:
             "beta_rel": self.beta_rel > 0,
             "lam_rel": bool(self.lam_rel) and all(x > 0 for x in self.lam_rel),
             "etas": bool(self.etas) and all(x > 0 for x in self.etas),
+            "step_scale": self.step_scale in ("rms", "absolute"),
             "max_iters": self.max_iters >= 0,
             "patience": self.patience >= 1,
             "groups": self.groups >= 1,

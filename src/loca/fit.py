@@ -25,6 +25,9 @@ from .models import ModelParts
 from .ridge import BlockStats, NonFiniteStatisticsError, solve_block
 
 
+STEP_SCALES = ("rms", "absolute")
+
+
 def block_groups(num_blocks: int, groups: int) -> list[list[int]]:
     """Split blocks 0..L-1 into ``groups`` contiguous, near-equal groups (input side first)."""
     groups = min(groups, num_blocks)
@@ -39,6 +42,7 @@ def collect_statistics(
     maps: FeedbackMaps,
     batches: Sequence[Batch],
     blocks: Sequence[int],
+    step_scale: str = "rms",
 ) -> tuple[dict[int, BlockStats], TokenCE]:
     """One forward pass: per-block statistics for ``blocks`` and the training CE before the update.
 
@@ -73,7 +77,7 @@ def collect_statistics(
             e_dev = e.to(dev)
             y = (e_dev @ v_all.to(e_dev.dtype)).view(-1, len(ls), k).transpose(0, 1)  # L × N × k
             stats.add_inputs(p)
-            stats.add_targets(p, h_sumsq, y, sigma)
+            stats.add_targets(p, h_sumsq, y, sigma, normalize=step_scale == "rms")
     ce = TokenCE()
     ce.add(torch.cat(losses), torch.cat(eos))
     out = {}
@@ -137,6 +141,7 @@ def fit(
     max_iters: int = 40,
     patience: int = 3,
     groups: int = 1,
+    step_scale: str = "rms",
     on_iteration: Callable[[dict], None] | None = None,
     on_improve: Callable[[ResidualAdapters, dict], None] | None = None,
     adapters: ResidualAdapters | None = None,
@@ -149,8 +154,12 @@ def fit(
     t = 0, included) is restored in a ``finally`` block: an error, a non-finite statistic or an
     interrupt never leaves a half-updated model. ``on_improve`` is called with the adapters set to
     each new best (e.g. to save it), ``on_iteration`` with each history row. Pass ``adapters`` to
-    fit (and keep a handle on) an existing set; they are reset to B = 0 first.
+    fit (and keep a handle on) an existing set; they are reset to B = 0 first. ``step_scale``
+    "rms" makes η a relative step (scaled per block and batch by RMS(h)/RMS(F e)); "absolute" uses
+    η as an absolute step (the paper's unnormalised ablation).
     """
+    if step_scale not in STEP_SCALES:
+        raise ValueError(f"step_scale must be one of {STEP_SCALES}, got {step_scale!r}")
     if not train:
         raise ValueError("the training set is empty")
     if not heldout:
@@ -200,10 +209,12 @@ def fit(
                 try:
                     for gi, blocks in enumerate(group_list):
                         if it == 1 and gi == 0:  # every trajectory starts from B = 0: share the pass
-                            shared = shared or collect_statistics(parts, adapters, maps, train, blocks)
+                            shared = shared or collect_statistics(
+                                parts, adapters, maps, train, blocks, step_scale
+                            )
                             stats, ce = shared
                         else:
-                            stats, ce = collect_statistics(parts, adapters, maps, train, blocks)
+                            stats, ce = collect_statistics(parts, adapters, maps, train, blocks, step_scale)
                         if gi == 0:
                             train_ce = ce.mean
                         for l in blocks:

@@ -137,15 +137,22 @@ class BlockStats:
         self.gram += p.mT @ p
         self.positions += p.shape[-2]
 
-    def add_targets(self, p: Tensor, h_sumsq: Tensor, y: Tensor, sigma: Tensor) -> Tensor:
+    def add_targets(
+        self, p: Tensor, h_sumsq: Tensor, y: Tensor, sigma: Tensor, normalize: bool = True
+    ) -> Tensor:
         """Accumulate one batch's target statistic and return its step scale ``s`` (a tensor).
 
         ``y = E V_k`` (N×k), ``sigma`` the singular values (k), ``h_sumsq`` = Σ ||h_{l-1}||²
         (each with a leading block dimension for a stack). The scale-normalised step is
         ``s = RMS(H_{l-1}) / RMS(Q)`` with ``Q = F E^T``; both RMS share the N·d denominator, and
         ``||Q||_F = ||Σ_k Y||_F`` since U_k is orthonormal, so ``s = ||H||_F / ||Σ_k Y||_F``.
+        With ``normalize=False`` (absolute η, the paper's ablation) ``s = 1``.
         """
         y = y.double()
+        if not normalize:
+            s = torch.ones(y.shape[:-2], dtype=torch.float64, device=y.device)
+            self.cross += y.mT @ p.double()
+            return s
         q_norm = (y * sigma.to(y).unsqueeze(-2)).pow(2).sum((-2, -1)).sqrt()
         h_norm = torch.as_tensor(h_sumsq, dtype=torch.float64, device=y.device).sqrt()
         # kept as a tensor (no host sync); a zero error (q_norm = 0) contributes nothing

@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         max_iters=cfg.max_iters,
         patience=cfg.patience,
         groups=cfg.groups,
+        step_scale=cfg.step_scale,
         on_iteration=on_iteration,
         on_improve=on_improve,
         progress=not args.quiet,
