@@ -24,7 +24,6 @@ from .metrics import TokenCE, completion_ce
 from .models import ModelParts
 from .ridge import BlockStats, NonFiniteStatisticsError, solve_block
 
-
 STEP_SCALES = ("rms", "absolute")
 
 
