@@ -202,3 +202,17 @@ def calibrate(
     }
     maps = FeedbackMaps([FeedbackFactors(f.us.cpu(), f.v.cpu()) for f in factors], fingerprint(parts), meta)
     return maps.to_blocks(parts)
+
+
+def calibrate_with_config(
+    parts: ModelParts, train: Sequence[Encoded], heldout: Sequence[Encoded], cfg, pad_id: int
+) -> FeedbackMaps:
+    """Stage I as a run does it (``cfg`` a :class:`loca.config.LocaConfig`): a seeded probe of
+    ``probe_positions`` predict positions from ``train``, and the held-out alignment diagnostic on
+    a quarter as many from ``heldout`` (seed + 1)."""
+    probe = select_probe(train, cfg.probe_positions, cfg.seed)
+    heldout_probe = select_probe(heldout, max(1, cfg.probe_positions // 4), cfg.seed + 1) if heldout else []
+    return calibrate(
+        parts, probe, heldout_probe, rank=cfg.feedback_rank, beta_rel=cfg.beta_rel,
+        micro_batch=cfg.probe_micro_batch, pad_id=pad_id, seed=cfg.seed,
+    )  # fmt: skip

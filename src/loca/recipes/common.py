@@ -7,7 +7,7 @@ import os
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from ..calibrate import FeedbackMaps, calibrate, select_probe
+from ..calibrate import FeedbackMaps, calibrate_with_config
 from ..config import LocaConfig
 from ..data import Batch, Encoded, Splits, Task, encode_examples, get_task, load_splits, make_batches
 from ..data.batching import pad_token_id
@@ -64,34 +64,44 @@ def resolve_data_dir(arg: str | None) -> str | None:
     return next((str(p) for p in SIBLING_DATA if p.is_dir()), None)
 
 
-def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per LocaConfig field, with the dataclass's help text and default."""
-    g = p.add_argument_group("LoCA hyper-parameters")
-    for f in fields(LocaConfig):
+def add_dataclass_args(
+    p: argparse.ArgumentParser, cls, *, title: str, prefix: str = "", skip: tuple[str, ...] = ()
+) -> None:
+    """One flag per field of the dataclass ``cls`` (``--{prefix}-{field}``), with its help text and
+    default; lists take several values, booleans ``--x/--no-x``."""
+    g = p.add_argument_group(title)
+    for f in fields(cls):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + (f"{prefix}-" if prefix else "") + f.name.replace("_", "-")
+        dest = (f"{prefix}_" if prefix else "") + f.name
         default = f.default if f.default is not MISSING else f.default_factory()
+        help_text = f.metadata["help"]
         if isinstance(default, bool):
-            g.add_argument(
-                flag, default=default, action=argparse.BooleanOptionalAction, help=f.metadata["help"]
-            )
+            g.add_argument(flag, dest=dest, default=default, action=argparse.BooleanOptionalAction,
+                           help=help_text)
         elif isinstance(default, list):
-            g.add_argument(
-                flag,
-                type=float,
-                nargs="+",
-                default=default,
-                help=f.metadata["help"] + f" (default {default})",
-            )
+            g.add_argument(flag, dest=dest, type=type(default[0]) if default else str, nargs="+",
+                           default=default, help=help_text + f" (default {default})")
         else:
-            g.add_argument(
-                flag, type=type(default), default=default, help=f.metadata["help"] + f" (default {default})"
-            )
+            g.add_argument(flag, dest=dest, type=float if default is None else type(default),
+                           default=default, help=help_text + f" (default {default})")
+
+
+def dataclass_from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):
+    """Build ``cls`` from the flags :func:`add_dataclass_args` added (missing fields keep defaults)."""
+    dest = lambda name: (f"{prefix}_" if prefix else "") + name  # noqa: E731
+    values = {f.name: getattr(args, dest(f.name)) for f in fields(cls) if hasattr(args, dest(f.name))}
+    return cls(**{**values, **overrides})
+
+
+def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per LocaConfig field."""
+    add_dataclass_args(p, LocaConfig, title="LoCA hyper-parameters", skip=skip)
 
 
 def config_from_args(args: argparse.Namespace) -> LocaConfig:
-    return LocaConfig(**{f.name: getattr(args, f.name) for f in fields(LocaConfig) if hasattr(args, f.name)})
+    return dataclass_from_args(LocaConfig, args)
 
 
 @dataclass
@@ -120,15 +130,8 @@ class RunSetup:
         return make_batches(items, self.pad_id, batch_size=self.cfg.batch_size)
 
     def calibrate(self, train: list[Encoded], heldout: list[Encoded] = ()) -> FeedbackMaps:
-        """Stage I on a seeded probe drawn from ``train`` (``probe_positions`` predict positions),
-        with the held-out alignment diagnostic on a quarter as many from ``heldout``."""
-        cfg = self.cfg
-        probe = select_probe(train, cfg.probe_positions, cfg.seed)
-        heldout_probe = select_probe(heldout, max(1, cfg.probe_positions // 4), cfg.seed + 1)
-        return calibrate(
-            self.parts, probe, heldout_probe, rank=cfg.feedback_rank, beta_rel=cfg.beta_rel,
-            micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id, seed=cfg.seed,
-        )  # fmt: skip
+        """Stage I with the run's configuration (see :func:`loca.calibrate.calibrate_with_config`)."""
+        return calibrate_with_config(self.parts, train, heldout, self.cfg, self.pad_id)
 
 
 def setup_run(args: argparse.Namespace) -> RunSetup:
