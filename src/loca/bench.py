@@ -152,3 +152,36 @@ def measure_phases(
         )
         for name, rs in runs.items()
     ]
+
+
+class PeakMemory:
+    """Peak memory beyond what was in use on entry, over a ``with`` body, in MB (``peak_mb``).
+
+    GPU: ``max_memory_allocated`` after a reset, minus the allocation on entry. CPU: the process's
+    RSS sampled every 20 ms by a thread, minus the RSS on entry. ``kind`` names which was measured.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = "cuda_allocated" if device.type == "cuda" else "cpu_rss"
+        self.peak_mb = float("nan")
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _trim()
+            self._base = psutil.Process().memory_info().rss
+            self._sampler = RssSampler(interval=0.02).__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._sampler.__exit__(*exc)
+            peak = max(self._sampler.samples)
+        self.peak_mb = max(0, peak - self._base) / 2.0**20

@@ -1,0 +1,119 @@
+"""One method on one prepared task split: fit it, leave the model in its selected state, and
+hand back the result and how to return the model to its frozen state.
+
+Every method sees the same :class:`CellData`: the same examples, encoded once, batched by one
+path (:func:`loca.data.batching.make_batches`), the same held-out batches for selection.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..baselines.common import HeldoutSelector, MethodResult
+from ..calibrate import calibrate_with_config
+from ..config import LocaConfig
+from ..data import Batch, Encoded, Splits, Task
+from ..fit import fit
+from ..models import ModelParts
+
+METHODS = ("frozen", "lora", "loca", "loca-abs", "adapter-mezo", "mezo")
+
+
+@dataclass
+class CellData:
+    """A task's splits on one seed, encoded and batched for every method."""
+
+    parts: ModelParts
+    tokenizer: object
+    task: Task
+    splits: Splits
+    train_items: list[Encoded]
+    heldout_items: list[Encoded]
+    train: list[Batch]  # LoCA's passes (batch_size sequences each)
+    heldout: list[Batch]  # held-out selection, every method
+    minibatches: list[Batch]  # LoRA / MeZO optimisation steps (train_batch_size sequences each)
+    pad_id: int
+    seed: int
+
+
+Outcome = tuple[MethodResult, Callable[[], None]]
+
+
+def run_frozen(cell: CellData) -> Outcome:
+    """The unmodified model: its held-out CE is every method's starting point."""
+    sel = HeldoutSelector(cell.parts, cell.heldout, snapshot=lambda: None, restore=lambda s: None)
+    sel.evaluate(None, 0)
+    return sel.result("frozen", "none"), lambda: None
+
+
+def run_loca(cell: CellData, cfg: LocaConfig, method: str = "loca") -> Outcome:
+    """Calibration (one probe backward pass) then the forward-only fit, with its η/λ selection.
+
+    Times count from the start of calibration, so LoCA's wall time includes Stage I."""
+    start = time.perf_counter()
+    maps = calibrate_with_config(cell.parts, cell.train_items, cell.heldout_items, cfg, cell.pad_id)
+    calib_s = time.perf_counter() - start
+    res = fit(
+        cell.parts, maps, cell.train, cell.heldout, rank=cfg.rank, seed=cfg.seed, etas=cfg.etas,
+        lam_rels=cfg.lam_rel, max_iters=cfg.max_iters, patience=cfg.patience, groups=cfg.groups,
+        step_scale=cfg.step_scale, progress=False,
+    )  # fmt: skip
+    history = [
+        {
+            "candidate": None if r["eta"] is None else {"eta": r["eta"], "lam_rel": r["lam_rel"]},
+            "step": r["iteration"],
+            "heldout_ce": r["heldout_ce"],
+            "elapsed_s": calib_s + r["elapsed_s"],
+            "train_ce": r["train_ce"],
+            "b_norm": r["b_norm"],
+        }
+        for r in res.history
+    ]
+    best = next(
+        (h for h in history if h["step"] == res.best_iteration and h["candidate"] is not None
+         and h["candidate"]["eta"] == res.eta and h["candidate"]["lam_rel"] == res.lam_rel),
+        history[0],
+    )  # fmt: skip
+    result = MethodResult(
+        method=method,
+        frozen_heldout_ce=res.frozen_heldout_ce,
+        heldout_ce=res.heldout_ce,
+        selected={"eta": res.eta, "lam_rel": res.lam_rel} if res.improved else {},
+        best_step=res.best_iteration,
+        step_unit="iteration",
+        improved=res.improved,
+        time_to_best_s=best["elapsed_s"] if res.improved else calib_s,
+        wall_time_s=time.perf_counter() - start,
+        history=history,
+        extra={
+            "calibration_time_s": calib_s,
+            "alignment": maps.meta.get("alignment", {}),
+            "stop_reasons": res.stop_reasons,
+            "b_norm": res.adapters.norm(),
+            "step_scale": cfg.step_scale,
+        },
+    )
+    return result, res.adapters.detach
+
+
+def run_lora(cell: CellData, settings) -> Outcome:
+    from ..baselines.lora import fit_lora
+
+    run = fit_lora(cell.parts, cell.minibatches, cell.heldout, settings, progress=False)
+    return run.result, run.unload
+
+
+def run_adapter_mezo(cell: CellData, settings) -> Outcome:
+    from ..baselines.mezo import fit_adapter_mezo
+
+    run = fit_adapter_mezo(cell.parts, cell.minibatches, cell.heldout, settings, progress=False)
+    return run.result, run.cleanup
+
+
+def run_mezo(cell: CellData, settings) -> Outcome:
+    from ..baselines.mezo import fit_mezo
+
+    run = fit_mezo(cell.parts, cell.minibatches, cell.heldout, settings, progress=False)
+    return run.result, run.cleanup

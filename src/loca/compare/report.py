@@ -1,0 +1,217 @@
+"""The comparison's report from its stored cells: rows, ``results.json``/``.csv``, ``table.md``
+(shaped like the paper's Table 1, mean ± spread over seeds) and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from ..io import atomic_write_json, atomic_write_text
+from ..metrics import RECOVERY_FLAG, recovery_acc, recovery_ce
+from .methods import METHODS
+from .store import jsonable
+
+LABELS = {
+    "frozen": "Frozen", "lora": "LoRA", "adapter-mezo": "Adapter-MeZO", "loca": "LoCA", "mezo": "MeZO",
+    "loca-abs": "LoCA (abs η)",
+}  # fmt: skip
+METRICS = ("test_ce", "test_ce_no_eos", "acc", "acc_norm")
+COLUMNS = [
+    "model", "device", "task", "seed", "method", "n_train", "n_heldout", "n_test",
+    "heldout_ce", "frozen_heldout_ce",
+    "test_ce", "test_ce_stderr", "test_ce_no_eos", "test_ce_no_eos_stderr",
+    "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "R_CE", "R_acc",
+    "selected", "best_step", "step_unit", "improved",
+    "time_to_best_s", "fit_wall_time_s", "total_wall_time_s", "peak_memory_mb", "memory_kind",
+]  # fmt: skip
+
+
+def rows_from_cells(cells: list[dict]) -> list[dict]:
+    """One row per method × task × seed, with R_CE / R_acc against that task and seed's LoRA."""
+    by = {(c["task"], c["seed"], c["method"]): c for c in cells}
+    rows = []
+    for c in cells:
+        key, fit, test = c["key"], c["fit"], c["test"]
+        row = {
+            "model": key["model"], "device": c["device"], "task": c["task"], "seed": c["seed"],
+            "method": c["method"], **{k: key["sizes"][k] for k in ("n_train", "n_heldout", "n_test")},
+            "heldout_ce": fit["heldout_ce"], "frozen_heldout_ce": fit["frozen_heldout_ce"],
+            "selected": fit["selected"], "best_step": fit["best_step"], "step_unit": fit["step_unit"],
+            "improved": fit["improved"], "time_to_best_s": fit["time_to_best_s"],
+            "fit_wall_time_s": fit["wall_time_s"], "total_wall_time_s": c["wall_time_s"],
+            "peak_memory_mb": c["peak_memory_mb"], "memory_kind": c["memory_kind"],
+        }  # fmt: skip
+        for m in METRICS:
+            row[m] = test.get(m)
+            row[f"{m}_stderr"] = test.get(f"{m}_stderr")
+        frozen = by.get((c["task"], c["seed"], "frozen"))
+        lora = by.get((c["task"], c["seed"], "lora"))
+        row["R_CE"] = row["R_acc"] = None
+        if frozen and lora and c["method"] not in ("frozen",):
+            f, lo = frozen["test"], lora["test"]
+            row["R_CE"] = recovery_ce(f["test_ce"], test["test_ce"], lo["test_ce"])
+            row["R_acc"] = recovery_acc(f["acc"], test["acc"], lo["acc"])
+        rows.append(row)
+    order = {m: i for i, m in enumerate(METHODS)}
+    rows.sort(key=lambda r: (r["task"], r["seed"], order.get(r["method"], 99)))
+    return rows
+
+
+def _mean_spread(values: list[float]) -> tuple[float, float, int]:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return math.nan, math.nan, 0
+    spread = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return statistics.fmean(vals), spread, len(vals)
+
+
+def _fmt(values: list[float], digits: int = 3, n_expected: int | None = None) -> str:
+    mean, spread, n = _mean_spread(values)
+    if n == 0:
+        return RECOVERY_FLAG if values else "–"
+    text = f"{mean:.{digits}f}" + (f" ± {spread:.{digits}f}" if n > 1 else "")
+    if n_expected is not None and n < n_expected:
+        text += f" ({n}/{n_expected})"
+    return text
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Aggregates over seeds per task and method, and the headline counts for LoCA vs LoRA."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["task"], r["method"])].append(r)
+    per_task: dict[str, dict] = defaultdict(dict)
+    for (task, method), rs in groups.items():
+        agg = {"seeds": sorted(r["seed"] for r in rs)}
+        for k in (*METRICS, "heldout_ce", "R_CE", "R_acc", "fit_wall_time_s", "time_to_best_s",
+                  "peak_memory_mb"):  # fmt: skip
+            mean, spread, n = _mean_spread([r[k] for r in rs])
+            agg[k] = {"mean": mean, "std": spread, "n": n}
+        per_task[task][method] = agg
+    summary: dict = {"per_task": per_task}
+    if any("loca" in m and "lora" in m for m in per_task.values()):
+        tasks = [t for t, m in per_task.items() if "loca" in m and "lora" in m and "frozen" in m]
+        ce = {t: per_task[t]["loca"]["test_ce"]["mean"] for t in tasks}
+        summary["loca_vs_lora"] = {
+            "tasks": tasks,
+            "loca_ce_below_lora": sum(ce[t] < per_task[t]["lora"]["test_ce"]["mean"] for t in tasks),
+            "loca_ce_below_frozen": sum(ce[t] < per_task[t]["frozen"]["test_ce"]["mean"] for t in tasks),
+            "loca_acc_not_below_frozen": sum(
+                per_task[t]["loca"]["acc"]["mean"] >= per_task[t]["frozen"]["acc"]["mean"] for t in tasks
+            ),
+            "median_R_CE": _median([r["R_CE"] for r in rows if r["method"] == "loca"]),
+            "median_R_acc": _median([r["R_acc"] for r in rows if r["method"] == "loca"]),
+            "loca_wall_over_lora_wall": _median(
+                [_wall(per_task[t], "loca") / _wall(per_task[t], "lora") for t in tasks]
+            ),
+        }
+    return summary
+
+
+def _wall(methods: dict, method: str) -> float:
+    return methods[method]["fit_wall_time_s"]["mean"]
+
+
+def _median(values) -> float | None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(vals) if vals else None
+
+
+def table_markdown(rows: list[dict]) -> str:
+    """Test CE and accuracy per task × method (mean ± sample std over seeds), R_CE and R_acc of
+    LoCA against LoRA, wall times; the best CE of a row in bold."""
+    if not rows:
+        return "No finished cells yet.\n"
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    seeds = sorted({r["seed"] for r in rows})
+    cell = defaultdict(list)
+    for r in rows:
+        cell[(r["task"], r["method"])].append(r)
+    model, device = rows[0]["model"], rows[0]["device"]
+    n = rows[0]
+    lines = [
+        f"# {model}: frozen vs LoRA vs MeZO vs LoCA",
+        "",
+        f"Device {device}; {n['n_train']} train / {n['n_heldout']} held-out / {n['n_test']} test examples "
+        f"per cell; seeds {', '.join(map(str, seeds))}; mean ± sample standard deviation over seeds. "
+        f"R_CE and R_acc: LoCA against the same seed's LoRA ({RECOVERY_FLAG}: LoRA's gain too small "
+        "for a ratio; (k/n): only k of n seeds had a ratio).",
+        "",
+    ]
+
+    def table(metric: str, title: str, lower_better: bool, digits: int) -> None:
+        extra = ["R_CE", "R_acc"] if "loca" in methods and "lora" in methods else []
+        lines.extend([f"## {title}", "", "| task | " + " | ".join(LABELS[m] for m in methods)
+                      + "".join(f" | {e} (LoCA)" for e in extra) + " |",
+                      "|---|" + "---|" * (len(methods) + len(extra))])  # fmt: skip
+        for t in tasks:
+            means = {m: _mean_spread([r[metric] for r in cell[(t, m)]])[0] for m in methods}
+            finite = {m: v for m, v in means.items() if math.isfinite(v)}
+            best = (min if lower_better else max)(finite, key=finite.get) if finite else None
+            vals = []
+            for m in methods:
+                text = _fmt([r[metric] for r in cell[(t, m)]], digits)
+                vals.append(f"**{text}**" if m == best and m != "frozen" else text)
+            for e in extra:
+                rs = cell[(t, "loca")]
+                vals.append(_fmt([r[e] for r in rs], 2, n_expected=len(rs)))
+            lines.append(f"| {t} | " + " | ".join(vals) + " |")
+        lines.append("")
+
+    table("test_ce", "Test CE per token (answer + EOS)", True, 3)
+    table("test_ce_no_eos", "Test CE per token without EOS", True, 3)
+    table("acc", "Test accuracy (acc)", False, 3)
+    table("acc_norm", "Test accuracy (acc_norm)", False, 3)
+    lines.extend(["## Wall time (s): whole fit with its selection (LoCA: calibration included); "
+                  "time to the best held-out CE in brackets", "",
+                  "| task | " + " | ".join(LABELS[m] for m in methods if m != "frozen") + " |",
+                  "|---|" + "---|" * (len(methods) - 1)])  # fmt: skip
+    for t in tasks:
+        vals = []
+        for m in methods:
+            if m == "frozen":
+                continue
+            rs = cell[(t, m)]
+            wall = _mean_spread([r["fit_wall_time_s"] for r in rs])[0]
+            best = _mean_spread([r["time_to_best_s"] for r in rs])[0]
+            vals.append(f"{wall:.0f} ({best:.0f})" if rs else "–")
+        lines.append(f"| {t} | " + " | ".join(vals) + " |")
+    lines.extend(["", f"Peak memory beyond the loaded model ({rows[0]['memory_kind']}, MB, mean over seeds):",
+                  "", "| task | " + " | ".join(LABELS[m] for m in methods) + " |",
+                  "|---|" + "---|" * len(methods)])  # fmt: skip
+    for t in tasks:
+        vals = [f"{_mean_spread([r['peak_memory_mb'] for r in cell[(t, m)]])[0]:.0f}" for m in methods]
+        lines.append(f"| {t} | " + " | ".join(vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v for k, v in r.items()})
+    return buf.getvalue()
+
+
+def write_report(out: str | Path, cells: list[dict], log=print) -> dict:
+    """Write ``results.json``, ``results.csv``, ``table.md`` and the PNG plots under ``out``."""
+    out = Path(out)
+    rows = rows_from_cells(cells)
+    report = {"rows": rows, "summary": summarize(rows)}
+    atomic_write_json(out / "results.json", jsonable(report))
+    atomic_write_text(out / "results.csv", write_csv(rows))
+    atomic_write_text(out / "table.md", table_markdown(rows))
+    try:
+        from .plots import write_plots
+    except ImportError as exc:  # matplotlib is an optional extra
+        log(f"plots skipped ({exc}); install loca[plot] and rerun to draw them from the stored cells")
+    else:
+        write_plots(out, cells, rows)
+    return report

@@ -1,0 +1,265 @@
+"""``loca compare``: every method on every task and seed, on identical splits, resumably.
+
+For each task and seed the splits are drawn once and every method sees the same encoded batches
+(:class:`~loca.compare.methods.CellData`); each finished cell is stored with its full
+configuration (:mod:`loca.compare.store`) and reused only when that configuration matches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from ..bench import PeakMemory
+from ..config import LocaConfig
+from ..data import encode_examples, get_task, load_splits, make_batches
+from ..data.batching import pad_token_id
+from ..io import atomic_write_json
+from ..metrics import evaluate
+from ..models import ModelParts, find_parts, fingerprint, load_model
+from ..versions import versions
+from .methods import (
+    METHODS,
+    CellData,
+    run_adapter_mezo,
+    run_frozen,
+    run_loca,
+    run_lora,
+    run_mezo,
+)
+from .report import write_report
+from .store import CellStore, digest
+
+DEFAULT_TASKS = ["sst2", "boolq", "arc_easy", "obqa", "hellaswag"]
+DEFAULT_METHODS = ["frozen", "lora", "adapter-mezo", "loca"]
+
+
+def _f(default, help: str):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class CompareSettings:
+    """What a comparison runs: methods × tasks × seeds, and the sizes every cell shares."""
+
+    methods: list[str] = _f(DEFAULT_METHODS, f"methods, from {', '.join(METHODS)}")
+    tasks: list[str] = _f(DEFAULT_TASKS, "tasks (see `loca tasks`)")
+    seeds: list[int] = _f([0, 1, 2], "seeds: each draws its own splits, A, LoRA init and MeZO noise")
+    n_train: int = _f(1000, "training examples per cell")
+    n_heldout: int = _f(250, "held-out examples per cell (selection of every method)")
+    n_test: int = _f(500, "test examples per cell (0: the whole test split)")
+    train_batch_size: int = _f(16, "sequences per LoRA / MeZO optimisation step")
+    mezo_time_budget: str = _f(
+        "auto",
+        "wall-time budget of each MeZO method in seconds, or 'auto' = LoCA's whole wall time "
+        "(calibration and selection included) in the same cell, or 'none'",
+    )
+    loca_abs_etas: list[float] = _f([1.0, 3.0, 10.0], "absolute step candidates of loca-abs (see docs/compare.md)")
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        if not self.methods or not self.tasks or not self.seeds:
+            raise ValueError("methods, tasks and seeds must not be empty")
+        if min(self.n_train, self.n_heldout, self.train_batch_size) < 1 or self.n_test < 0:
+            raise ValueError("n_train, n_heldout and train_batch_size must be ≥ 1, n_test ≥ 0")
+        if self.mezo_time_budget not in ("auto", "none"):
+            try:
+                ok = float(self.mezo_time_budget) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"mezo_time_budget must be 'auto', 'none' or seconds > 0, "
+                                 f"got {self.mezo_time_budget!r}")  # fmt: skip
+        if not self.loca_abs_etas or min(self.loca_abs_etas) <= 0:
+            raise ValueError("loca_abs_etas must be positive")
+
+
+@dataclass
+class MethodConfigs:
+    """The hyper-parameters of each method (LoRA and MeZO settings from :mod:`loca.baselines`)."""
+
+    loca: LocaConfig
+    lora: object
+    adapter_mezo: object
+    mezo: object
+
+
+def _ordered(methods: list[str]) -> list[str]:
+    """Frozen first (every recovery ratio needs it), LoRA next, LoCA before the MeZO methods
+    (their 'auto' time budget is LoCA's wall time)."""
+    return [m for m in METHODS if m in methods or m == "frozen"]
+
+
+def run_compare(
+    settings: CompareSettings,
+    configs: MethodConfigs,
+    *,
+    model: str,
+    out: str | Path,
+    data_dir: str | None = None,
+    device: str | None = None,
+    dtype: str = "float32",
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Run (or reuse) every cell, then write ``results.json``, ``results.csv``, ``table.md`` and
+    the plots under ``out``. Returns the report (see :func:`loca.compare.report.write_report`)."""
+    out = Path(out)
+    store = CellStore(out)
+    start = time.perf_counter()
+    tasks = [get_task(t) for t in settings.tasks]
+    model_obj, tokenizer = load_model(model, device=device, dtype=dtype)
+    parts = find_parts(model_obj)
+    base = {
+        "model": model,
+        "fingerprint": fingerprint(parts),
+        "dtype": dtype,
+        "device_type": parts.device.type,
+        "versions": _versions(),
+        "sizes": {"n_train": settings.n_train, "n_heldout": settings.n_heldout, "n_test": settings.n_test,
+                  "train_batch_size": settings.train_batch_size},
+        "evaluation": {"max_length": configs.loca.max_length, "batch_size": configs.loca.batch_size,
+                       "add_eos": configs.loca.add_eos},
+    }  # fmt: skip
+    atomic_write_json(out / "config.json", {
+        "command": "compare", "model": model, "data_dir": data_dir, "device": str(parts.device),
+        "settings": asdict(settings), "loca": configs.loca.to_dict(), "lora": configs.lora.to_dict(),
+        "adapter_mezo": configs.adapter_mezo.to_dict(), "mezo": configs.mezo.to_dict(), **base,
+    })  # fmt: skip
+    counts = {"reused": 0, "run": 0}
+    for task in tasks:
+        for seed in settings.seeds:
+            splits = load_splits(
+                task, n_train=settings.n_train, n_heldout=settings.n_heldout, n_test=settings.n_test,
+                seed=seed, data_dir=data_dir,
+            )  # fmt: skip
+            cell_base = {
+                **base, "task": task.describe(), "seed": seed, "splits_sha256": digest(splits.record)
+            }
+            data: CellData | None = None
+            frozen_ce: float | None = None
+            loca_wall: float | None = None
+            for method in _ordered(settings.methods):
+                mcfg = _method_config(method, configs, settings, seed, loca_wall)
+                key = {**cell_base, "method": method, "config": mcfg}
+                cell = store.load(task.name, seed, method, key)
+                if cell is None:
+                    if data is None:
+                        data = _prepare(parts, tokenizer, task, splits, seed, configs.loca, settings)
+                    cell = _run_cell(data, method, mcfg, configs, settings)
+                    store.save(task.name, seed, method, key, cell)
+                    counts["run"] += 1
+                    log(f"{task.name} seed {seed} {method}: test CE {cell['test']['test_ce']:.4f}, "
+                        f"acc {cell['test']['acc']:.3f}, {cell['wall_time_s']:.0f} s")  # fmt: skip
+                else:
+                    counts["reused"] += 1
+                    log(f"{task.name} seed {seed} {method}: reused")
+                fit = cell["fit"]
+                if method == "frozen":
+                    frozen_ce = fit["heldout_ce"]
+                elif frozen_ce is not None and not _close(fit["frozen_heldout_ce"], frozen_ce):
+                    raise RuntimeError(
+                        f"{task.name} seed {seed} {method}: the frozen model's held-out CE was "
+                        f"{fit['frozen_heldout_ce']} before this method but {frozen_ce} in the frozen "
+                        "cell; an earlier method left the model modified"
+                    )
+                if method == "loca":
+                    loca_wall = fit["wall_time_s"]
+    log(f"cells: {counts['run']} run, {counts['reused']} reused ({time.perf_counter() - start:.0f} s)")
+    return write_report(out, store.all_cells())
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    v = versions()
+    try:
+        v["peft"] = version("peft")
+    except PackageNotFoundError:
+        v["peft"] = "not installed"
+    return v
+
+
+def _close(a: float, b: float) -> bool:
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
+
+
+def _method_config(method: str, configs: MethodConfigs, s: CompareSettings, seed: int,
+                   loca_wall: float | None) -> dict:  # fmt: skip
+    """The resolved configuration of one method in one cell (part of its key)."""
+    if method == "frozen":
+        return {}
+    if method == "loca":
+        return replace(configs.loca, seed=seed).to_dict()
+    if method == "loca-abs":
+        return replace(configs.loca, seed=seed, step_scale="absolute", etas=list(s.loca_abs_etas)).to_dict()
+    if method == "lora":
+        return replace(configs.lora, seed=seed).to_dict()
+    budget: float | None
+    if s.mezo_time_budget == "none":
+        budget = None
+    elif s.mezo_time_budget == "auto":
+        budget = loca_wall  # None when LoCA is not in the comparison: the step budget alone
+    else:
+        budget = float(s.mezo_time_budget)
+    cfg = configs.adapter_mezo if method == "adapter-mezo" else configs.mezo
+    return replace(cfg, seed=seed, time_budget_s=budget).to_dict()
+
+
+def _prepare(parts: ModelParts, tokenizer, task, splits, seed: int, loca: LocaConfig,
+             s: CompareSettings) -> CellData:  # fmt: skip
+    enc = dict(max_length=loca.max_length, add_eos=loca.add_eos)
+    train_items = encode_examples(tokenizer, task, splits.train, **enc)
+    heldout_items = encode_examples(tokenizer, task, splits.heldout, **enc)
+    pad = pad_token_id(tokenizer)
+    return CellData(
+        parts=parts, tokenizer=tokenizer, task=task, splits=splits, train_items=train_items,
+        heldout_items=heldout_items, train=make_batches(train_items, pad, loca.batch_size),
+        heldout=make_batches(heldout_items, pad, loca.batch_size),
+        minibatches=make_batches(train_items, pad, s.train_batch_size), pad_id=pad, seed=seed,
+    )  # fmt: skip
+
+
+def _run_cell(data: CellData, method: str, mcfg: dict, configs: MethodConfigs, s: CompareSettings) -> dict:
+    from ..baselines.lora import LoraSettings
+    from ..baselines.mezo import MezoSettings
+
+    start = time.perf_counter()
+    with PeakMemory(data.parts.device) as mem:
+        if method == "frozen":
+            result, cleanup = run_frozen(data)
+        elif method in ("loca", "loca-abs"):
+            result, cleanup = run_loca(data, LocaConfig.from_dict(mcfg), method)
+        elif method == "lora":
+            result, cleanup = run_lora(data, LoraSettings(**mcfg))
+        elif method == "adapter-mezo":
+            result, cleanup = run_adapter_mezo(data, MezoSettings(**mcfg))
+        else:
+            result, cleanup = run_mezo(data, MezoSettings(**mcfg))
+    try:
+        t0 = time.perf_counter()
+        test = evaluate(
+            data.parts, data.tokenizer, data.task, data.splits.test, max_length=configs.loca.max_length,
+            batch_size=configs.loca.batch_size, add_eos=configs.loca.add_eos,
+        )  # fmt: skip
+        eval_s = time.perf_counter() - t0
+    finally:
+        cleanup()
+    return {
+        "task": data.task.name,
+        "seed": data.seed,
+        "method": method,
+        "fit": result.to_dict(),
+        "test": test,
+        "peak_memory_mb": mem.peak_mb,
+        "memory_kind": mem.kind,
+        "eval_wall_time_s": eval_s,
+        "wall_time_s": time.perf_counter() - start,
+        "device": str(data.parts.device),
+    }

@@ -1,0 +1,79 @@
+"""Compare LoCA with the frozen model, LoRA (PEFT) and MeZO on identical splits, side by side.
+
+Example (the committed SmolLM2 comparison, see docs/compare.md)::
+
+    loca compare --model smollm2-135m-instruct --tasks sst2 boolq arc_easy obqa hellaswag \\
+        --seeds 0 1 2 --out runs/compare-smollm2
+
+``--out DIR`` receives ``cells/<task>/seed<k>/<method>.json`` (one per finished cell, with its
+full configuration), ``config.json``, ``results.json`` and ``results.csv`` (one row per method ×
+task × seed), ``table.md`` (mean ± spread over seeds, R_CE and R_acc against LoRA) and the plots
+``heldout_vs_time.png``, ``heldout_vs_steps.png``, ``accuracy.png``. Rerunning the same command
+reuses every finished cell whose configuration matches and runs the rest; ``--report-only``
+redraws the tables and plots from the stored cells without loading a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..baselines.lora import LoraSettings
+from ..baselines.mezo import MezoSettings
+from ..compare import CompareSettings, MethodConfigs, run_compare
+from ..compare.report import write_report
+from ..compare.store import CellStore
+from .common import (
+    DEFAULT_MODEL,
+    add_config_args,
+    add_dataclass_args,
+    config_from_args,
+    dataclass_from_args,
+    resolve_data_dir,
+)
+
+# The seed of every method comes from --seeds; MeZO's time budget from --mezo-time-budget.
+_MEZO_SKIP = ("seed", "time_budget_s")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="local folder, hub id, or offline alias")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--data-dir", default=None,
+                   help="folder of task folders (default: $LOCA_DATA_DIR, else ../shared/data if present)")
+    p.add_argument("--out", required=True, help="comparison folder (resumable)")
+    p.add_argument("--report-only", action="store_true",
+                   help="only redraw results/tables/plots from the cells stored in --out")
+    add_dataclass_args(p, CompareSettings, title="comparison")
+    add_config_args(p, skip=("seed",))
+    add_dataclass_args(p, LoraSettings, title="LoRA", prefix="lora", skip=("seed",))
+    add_dataclass_args(p, MezoSettings, title="Adapter-MeZO", prefix="mezo", skip=_MEZO_SKIP)
+    add_dataclass_args(p, MezoSettings, title="full MeZO", prefix="full-mezo", skip=_MEZO_SKIP)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.report_only:
+        cells = CellStore(args.out).all_cells()
+        if not cells:
+            raise ValueError(f"{args.out} holds no finished cells")
+        write_report(args.out, cells)
+        print(f"wrote the report of {len(cells)} cells to {args.out}")
+        return 0
+    settings = dataclass_from_args(CompareSettings, args)
+    configs = MethodConfigs(
+        loca=config_from_args(args),
+        lora=dataclass_from_args(LoraSettings, args, "lora"),
+        adapter_mezo=dataclass_from_args(MezoSettings, args, "mezo"),
+        mezo=dataclass_from_args(MezoSettings, args, "full_mezo"),
+    )
+    report = run_compare(
+        settings, configs, model=args.model, out=args.out, data_dir=resolve_data_dir(args.data_dir),
+        device=args.device, dtype=args.dtype,
+    )  # fmt: skip
+    print(open(f"{args.out}/table.md").read())
+    head = report["summary"].get("loca_vs_lora")
+    if head:
+        print(f"LoCA vs LoRA: CE below LoRA in {head['loca_ce_below_lora']}/{len(head['tasks'])} tasks, "
+              f"median R_CE {head['median_R_CE']}, median R_acc {head['median_R_acc']}")  # fmt: skip
+    return 0
