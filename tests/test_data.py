@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ from loca.data import (
     load_test,
 )
 from loca.data.sources import hellaswag_clean
-from loca.data.splits import permutation
+from loca.data.splits import group_ids, load_pool, permutation, shared_with
+from loca.data.tasks import context_keys, passage_keys
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not present")
@@ -401,7 +403,7 @@ def test_splits_deterministic_disjoint_recorded(data_dir):
     assert len(a.test) == 12 and all(e.id.startswith("va-") for e in a.test)
     r = a.record
     assert r["seed"] == 1 and r["partition"] is None
-    assert r["pool"] == {"split": "train", "size": 100}
+    assert r["pool"] == {"split": "train", "size": 100, "group_by": None, "n_groups": None}
     assert r["train"]["ids"] == [e.id for e in a.train]
     assert r["heldout"]["ids"] == [e.id for e in a.heldout]
     assert r["test"]["ids"] == [e.id for e in a.test]
@@ -479,8 +481,141 @@ def test_real_local_data_counts_and_policy():
     test, record = load_test("sst2", data_dir=SHARED)
     assert len(test) == 872 and record["partition"] is None
     test, record = load_test("boolq", n_test=100, seed=0, data_dir=SHARED)
-    assert len(test) == 100 and record["partition"]["pool_size"] == 1635
-    assert record["test"]["available"] == 1635
+    assert len(test) == 100 and record["partition"]["pool_size"] == 1634
+    assert record["test"]["available"] == 1636
+
+
+# --- grouped partitions ------------------------------------------------------------------------
+
+
+def grouped_rows(n_passages: int, sizes=(1, 2, 3)) -> list[dict]:
+    """Items over ``n_passages`` passages, passage p asked about ``sizes[p % len(sizes)]`` times."""
+    out = []
+    for p in range(n_passages):
+        for q in range(sizes[p % len(sizes)]):
+            out.append({"id": f"p{p}-q{q}", "question": f"question {q} about {p}",
+                        "passage": f"Passage number {p} has one sentence of some length.",
+                        "choices": ["no", "yes"], "label": (p + q) % 2})  # fmt: skip
+    return out
+
+
+def grouped_task(path: Path):
+    return replace(get_task(str(path), template="{passage}\nQ: {question}?\nA:"), group_by="passage")
+
+
+def test_group_ids_link_transitively_and_number_by_first_item():
+    ex = lambda q, p: Example(question=q, passage=p, choices=("no", "yes"), label=0)  # noqa: E731
+    exs = [
+        ex("a", "One two three four five. Six seven eight nine ten."),
+        ex("b", "Something else entirely, not shared at all."),
+        ex("c", "Eleven twelve thirteen fourteen. Six seven eight nine ten!"),  # shares a sentence
+        ex("d", "Eleven twelve thirteen fourteen fifteen."),  # shares nothing
+        ex("e", "something   else, ENTIRELY not shared at all"),  # b up to case/punctuation
+        ex("f", "Hi."),  # short: only its whole text links
+        ex("g", "hi"),
+    ]
+    task = replace(get_task("boolq"), group_by="passage")
+    assert group_ids(task, exs) == [0, 1, 0, 2, 1, 3, 3]
+    assert group_ids(replace(task, group_by=None), exs) is None
+    with pytest.raises(ValueError, match="unknown group_by 'nope'"):
+        replace(task, group_by="nope")
+
+
+def test_context_keys_link_the_next_window_of_a_video():
+    # shared/data hellaswag items 3 and 4: item 4's context holds item 3's completed gold sentence
+    a = Example(question="A boy is running down a track. the boy", label=2,
+                choices=("runs into a car.", "gets in a mat.",
+                         "lifts his body above the height of a pole.", "stands on his hands."))
+    b = Example(question="The boy lifts his body above the height of a pole. The boy lands on his "
+                "back on to a red mat. the boy", choices=("x", "y"), label=0)  # fmt: skip
+    assert context_keys(a) & context_keys(b) == {"the boy lifts his body above the height of a pole"}
+    assert group_ids(get_task("hellaswag"), [a, b]) == [0, 0]
+    assert not passage_keys(a)  # no passage: never linked by passage
+
+
+def test_grouped_partition_keeps_passages_whole(tmp_path):
+    f = write_jsonl(tmp_path / "mine.jsonl", grouped_rows(30))  # 60 items in 30 groups of 1-3
+    task = grouped_task(f)
+    pool, test, part = load_pool(task)
+    assert shared_with(test, pool, lambda e: {e.passage}) == 0
+    assert {e.passage for e in test}.isdisjoint(e.passage for e in pool)
+    assert len(pool) + len(test) == 60 and 30 <= len(test) <= 30 + 2  # overshoot < largest group
+    assert part["group_by"] == "passage" and part["n_groups"] == 30
+    assert part["pool_groups"] + part["test_groups"] == 30
+    assert part["test_size"] == len(test) and part["pool_size"] == len(pool)
+    json.dumps(part)
+    # the same whole-group rule as the item partition: groups permuted with the partition seed
+    order = permutation(30, 0, "partition")
+    taken, n = [], 0
+    for g in order:
+        if n >= 30:
+            break
+        taken.append(g)
+        n += (1, 2, 3)[g % 3]
+    assert {e.passage for e in test} == {grouped_rows(30)[0]["passage"].replace("0", str(g)) for g in taken}
+    # deterministic and independent of the run's seed and sizes
+    s1 = load_splits(task, n_train=6, n_heldout=4, seed=0)
+    s2 = load_splits(task, n_train=3, n_heldout=2, seed=7)
+    assert s1.test == s2.test == test and s1 == load_splits(task, n_train=6, n_heldout=4, seed=0)
+    assert s1.record["pool"] == {"split": "mine", "size": len(pool), "group_by": "passage",
+                                 "n_groups": part["pool_groups"]}  # fmt: skip
+
+
+def test_ungrouped_partition_is_the_item_partition(tmp_path):
+    f = write_jsonl(tmp_path / "mine.jsonl", grouped_rows(30))
+    plain = get_task(str(f), template="{passage}\nQ: {question}?\nA:")
+    _, test, part = load_pool(plain)
+    val = load_local(f)
+    assert [e.id for e in test] == [val[i].id for i in sorted(permutation(60, 0, "partition")[:30])]
+    assert part["group_by"] is None and part["n_groups"] is None
+    # a grouping in which every item is alone gives exactly the same partition
+    distinct = write_jsonl(tmp_path / "distinct.jsonl", [
+        r | {"passage": f"{r['id']} passage"} for r in grouped_rows(30)
+    ])  # fmt: skip
+    _, test_g, part_g = load_pool(grouped_task(distinct))
+    assert [e.id for e in test_g] == [e.id for e in test] and part_g["n_groups"] == 60
+
+
+def test_grouped_train_and_heldout_share_no_group(tmp_path):
+    f = write_jsonl(tmp_path / "mine.jsonl", grouped_rows(60))  # 120 items
+    task = grouped_task(f)
+    for seed in range(5):
+        s = load_splits(task, n_train=30, n_heldout=15, seed=seed)
+        assert len(s.train) == 30 and len(s.heldout) == 15
+        train_p, held_p = {e.passage for e in s.train}, {e.passage for e in s.heldout}
+        assert not train_p & held_p and not (train_p | held_p) & {e.passage for e in s.test}
+        small = load_splits(task, n_train=10, n_heldout=15, seed=seed)
+        assert small.heldout == s.heldout and s.train[:10] == small.train  # nested, held-out fixed
+    pool_size, outcomes = s.record["pool"]["size"], set()
+    for seed in range(10):  # held-out often starts inside a group: the rest of it is not trained on
+        try:
+            load_splits(task, n_train=pool_size - 15, n_heldout=15, seed=seed)
+            outcomes.add("fits")
+        except ValueError as exc:
+            assert "share no 'passage' group with the 15 held-out" in str(exc)
+            outcomes.add("cut")
+    assert "cut" in outcomes
+
+
+@needs_shared
+def test_real_boolq_and_hellaswag_partitions_share_no_passage_or_context():
+    boolq = get_task("boolq")
+    pool, test, part = load_pool(boolq, SHARED)
+    assert shared_with(test, pool, lambda e: {e.passage}) == 0
+    assert shared_with(test, pool, passage_keys) == 0
+    assert (len(pool), len(test)) == (1634, 1636) and abs(len(test) - 3270 / 2) <= 9
+    assert part["group_by"] == "passage" and part["n_groups"] == 2890
+    assert part["pool_groups"] + part["test_groups"] == 2890
+    # the item partition (before grouping) put 186 test items on a passage of the pool
+    old_pool, old_test, _ = load_pool(replace(boolq, group_by=None), SHARED)
+    assert shared_with(old_test, old_pool, lambda e: {e.passage}) == 186
+    assert load_pool(boolq, SHARED) == (pool, test, part)
+    s = load_splits(boolq, n_train=256, n_heldout=128, n_test=200, seed=0, data_dir=SHARED)
+    assert not {e.passage for e in s.train} & {e.passage for e in s.heldout}
+    pool, test, part = load_pool("hellaswag", SHARED)
+    assert shared_with(test, pool, lambda e: {e.question}) == 0
+    assert shared_with(test, pool, context_keys) == 0
+    assert len(test) == 5021 and part["group_by"] == "context" and part["n_groups"] == 8785
 
 
 # --- tokenisation ------------------------------------------------------------------------------

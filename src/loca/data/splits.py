@@ -7,9 +7,16 @@ Policy (see ``docs/tasks.md``):
   permutation with the fixed seed :data:`PARTITION_SEED`, into a train pool and a test part
   (:data:`PARTITION_TEST_FRACTION` of the items go to the test part). The partition does not
   depend on the run's seed or sizes, so every run of a task sees the same test part.
+- **Groups**: a task with ``group_by`` (BoolQ: the passage, HellaSwag: the source context, see
+  :data:`loca.data.tasks.GROUPINGS`) is partitioned by group, not by item: the groups are
+  permuted and whole groups go to the test part until it holds the test fraction, so no test
+  passage is ever in the train pool. Without ``group_by`` every item is its own group, which is
+  exactly the item partition.
 - **Train** = the first ``n_train`` items of a seeded permutation of the pool; **held-out** = the
   last ``n_heldout`` items of the same permutation. They are disjoint, the held-out set does not
-  change with ``n_train``, and a larger ``n_train`` extends a smaller one.
+  change with ``n_train``, and a larger ``n_train`` extends a smaller one. For a grouped task the
+  permutation is of groups (items of a group kept together, in file order), and train skips the
+  items of any group the held-out set touches, so train and held-out share no group either.
 - **Test** = the official validation split (or its test part); ``n_test`` (None or 0 = all) takes a
   seeded sample of it, kept in file order. It depends only on the task, ``n_test`` and ``seed``,
   so ``loca evaluate`` with the same seed sees the same test set as a fit.
@@ -26,7 +33,7 @@ from pathlib import Path
 
 from .schema import Example
 from .sources import describe_source, has_split, load_task_split
-from .tasks import Task, get_task
+from .tasks import GROUPINGS, Task, get_task
 
 DEFAULT_N_TRAIN = 256
 DEFAULT_N_HELDOUT = 128
@@ -43,6 +50,50 @@ def permutation(n: int, seed: int, purpose: str) -> list[int]:
         return hashlib.sha256(f"{purpose}:{seed}:{i}".encode()).digest()
 
     return sorted(range(n), key=key)
+
+
+def group_ids(task: Task, examples: list[Example]) -> list[int] | None:
+    """The group of each example under ``task.group_by`` (None when the task is not grouped).
+
+    Examples that share a link key of :data:`loca.data.tasks.GROUPINGS` ``[task.group_by]``,
+    directly or through other examples, are one group. Groups are numbered 0, 1, ... in order of
+    their first example, so the numbering does not depend on anything but the examples' order.
+    """
+    if task.group_by is None:
+        return None
+    keys_of = GROUPINGS[task.group_by]
+    parent = list(range(len(examples)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[str, int] = {}
+    for i, ex in enumerate(examples):
+        for key in keys_of(ex):
+            j = owner.setdefault(key, i)
+            a, b = root(i), root(j)
+            parent[max(a, b)] = min(a, b)  # the root is the group's first example
+    number: dict[int, int] = {}
+    return [number.setdefault(root(i), len(number)) for i in range(len(examples))]
+
+
+def _members(groups: list[int] | None, n: int) -> list[list[int]]:
+    """Positions of each group's members, in order (one group per item when ungrouped)."""
+    if groups is None:
+        return [[i] for i in range(n)]
+    members: list[list[int]] = [[] for _ in range(max(groups, default=-1) + 1)]
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    return members
+
+
+def shared_with(test: list[Example], pool: list[Example], keys) -> int:
+    """How many ``test`` examples share a key (``keys(example) -> set``) with some ``pool`` example."""
+    pool_keys = set().union(*map(keys, pool)) if pool else set()
+    return sum(bool(keys(ex) & pool_keys) for ex in test)
 
 
 @dataclass
@@ -64,6 +115,7 @@ class _Pools:
     test_indices: list[int]
     test_split: str
     partition: dict | None
+    pool_groups: list[int] | None  # group of each pool item (None: not grouped)
 
 
 def _check_size(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -87,16 +139,26 @@ def _pools(task: Task, data_dir: str | Path | None) -> _Pools:
             list(range(len(validation))),
             task.validation_split,
             None,
+            group_ids(task, pool),
         )
     n = len(validation)
-    n_test_part = round(n * PARTITION_TEST_FRACTION)
-    if n_test_part < 1 or n - n_test_part < 1:
+    groups = group_ids(task, validation)
+    members = _members(groups, n)
+    target = round(n * PARTITION_TEST_FRACTION)
+    test_idx: list[int] = []
+    for g in permutation(len(members), PARTITION_SEED, "partition"):
+        if len(test_idx) >= target:
+            break
+        test_idx.extend(members[g])  # whole groups, until the test fraction is reached
+    test_idx.sort()
+    in_test = set(test_idx)
+    pool_idx = [i for i in range(n) if i not in in_test]
+    if not test_idx or not pool_idx or target < 1:
+        what = f"{n} example(s)" + (f" in {len(members)} group(s)" if groups is not None else "")
         raise ValueError(
-            f"task {task.name!r}: its validation split has {n} example(s), too few to partition "
+            f"task {task.name!r}: its validation split has {what}, too few to partition "
             "into a train pool and a test part"
         )
-    perm = permutation(n, PARTITION_SEED, "partition")
-    test_idx, pool_idx = sorted(perm[:n_test_part]), sorted(perm[n_test_part:])
     partition = {
         "reason": f"no {task.train_split or 'train'} split available at the source",
         "split": task.validation_split,
@@ -104,7 +166,15 @@ def _pools(task: Task, data_dir: str | Path | None) -> _Pools:
         "test_fraction": PARTITION_TEST_FRACTION,
         "pool_size": len(pool_idx),
         "test_size": len(test_idx),
+        "group_by": task.group_by,
+        "n_groups": len(members) if groups is not None else None,
+        "pool_groups": len({groups[i] for i in pool_idx}) if groups is not None else None,
+        "test_groups": len({groups[i] for i in test_idx}) if groups is not None else None,
     }
+    pool_groups = None
+    if groups is not None:  # renumbered in pool order
+        number: dict[int, int] = {}
+        pool_groups = [number.setdefault(groups[i], len(number)) for i in pool_idx]
     return _Pools(
         [validation[i] for i in pool_idx],
         pool_idx,
@@ -113,7 +183,25 @@ def _pools(task: Task, data_dir: str | Path | None) -> _Pools:
         test_idx,
         task.validation_split,
         partition,
+        pool_groups,
     )
+
+
+def _pool_positions(pools: _Pools, seed: int, n_heldout: int) -> tuple[list[int], list[int]]:
+    """``(train candidates in order, held-out positions)`` in the pool for ``seed``.
+
+    The pool is laid out group by group in a seeded permutation of its groups (of its items when
+    ungrouped); held-out is the last ``n_heldout`` positions and train takes from the front,
+    skipping every group the held-out set touches.
+    """
+    members = _members(pools.pool_groups, len(pools.pool))
+    order = [p for g in permutation(len(members), seed, "pool") for p in members[g]]
+    heldout = order[len(order) - n_heldout :]
+    rest = order[: len(order) - n_heldout]
+    if pools.pool_groups is not None:
+        touched = {pools.pool_groups[p] for p in heldout}
+        rest = [p for p in rest if pools.pool_groups[p] not in touched]
+    return rest, heldout
 
 
 def _select_test(
@@ -146,7 +234,7 @@ def _resolve(task: Task | str) -> Task:
     return get_task(task) if isinstance(task, str) else task
 
 
-def _base_record(task: Task, pools: _Pools, data_dir, seed: int) -> dict:
+def _base_record(task: Task, pools: _Pools, data_dir: str | Path | None, seed: int) -> dict:
     return {
         "task": task.name,
         "template": task.template,
@@ -154,6 +242,14 @@ def _base_record(task: Task, pools: _Pools, data_dir, seed: int) -> dict:
         "seed": seed,
         "partition": pools.partition,
     }
+
+
+def load_pool(
+    task: Task | str, data_dir: str | Path | None = None
+) -> tuple[list[Example], list[Example], dict | None]:
+    """``(train pool, whole test split, partition record or None)``, e.g. to check overlap."""
+    pools = _pools(_resolve(task), data_dir)
+    return pools.pool, pools.test, pools.partition
 
 
 def load_test(
@@ -183,7 +279,8 @@ def load_splits(
     """Seeded, disjoint train and held-out samples of the train pool, and the test set.
 
     Raises ``ValueError`` when ``n_train`` or ``n_heldout`` is below 1, when together they exceed
-    the train pool, or when ``n_test`` exceeds the test split.
+    the train pool (for a grouped task: the pool less the rest of the group held-out cuts into),
+    or when ``n_test`` exceeds the test split.
     """
     task = _resolve(task)
     _check_size("n_train", n_train)
@@ -204,8 +301,14 @@ def load_splits(
         raise ValueError(
             f"task {task.name!r}: n_train + n_heldout = {n_train} + {n_heldout} exceeds {where}"
         )
-    perm = permutation(size, seed, "pool")
-    train_pos, heldout_pos = perm[:n_train], perm[size - n_heldout :]
+    candidates, heldout_pos = _pool_positions(pools, seed, n_heldout)
+    if n_train > len(candidates):
+        raise ValueError(
+            f"task {task.name!r}: n_train = {n_train} exceeds the {len(candidates)} examples of the "
+            f"train pool ({size} examples of split {pools.pool_split!r}) that share no "
+            f"{task.group_by!r} group with the {n_heldout} held-out examples"
+        )
+    train_pos = candidates[:n_train]
     chosen, test_record = _select_test(task, pools, n_test, seed)
 
     def part(positions: list[int]) -> dict:
@@ -217,7 +320,12 @@ def load_splits(
         }
 
     record = _base_record(task, pools, data_dir, seed) | {
-        "pool": {"split": pools.pool_split, "size": size},
+        "pool": {
+            "split": pools.pool_split,
+            "size": size,
+            "group_by": task.group_by,
+            "n_groups": None if pools.pool_groups is None else len(set(pools.pool_groups)),
+        },
         "train": part(train_pos),
         "heldout": part(heldout_pos),
         "test": test_record,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -62,6 +63,53 @@ def check_template(template: str) -> str:
     return template
 
 
+# --- grouping: which items must stay on the same side of a partition ----------------------------
+
+#: Sentences shorter than this (in words) are too generic to tie two items together.
+GROUP_MIN_WORDS = 5
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+_WORD = re.compile(r"\w+")
+
+
+def _normalise(text: str) -> str:
+    return " ".join(_WORD.findall(text.lower()))
+
+
+def sentence_keys(text: str, min_words: int = GROUP_MIN_WORDS) -> set[str]:
+    """The sentences of ``text`` with ``min_words`` or more words, lower-cased, on word
+    characters only (punctuation and spacing ignored): link keys for grouping."""
+    keys = map(_normalise, _SENTENCE_END.split(text.strip()))
+    return {k for k in keys if len(k.split()) >= min_words}
+
+
+def text_keys(text: str, min_words: int = GROUP_MIN_WORDS) -> set[str]:
+    """:func:`sentence_keys` and the whole normalised text (so identical texts always link)."""
+    return (sentence_keys(text, min_words) | {_normalise(text)}) - {""}
+
+
+def passage_keys(ex: Example) -> set[str]:
+    """The same passage: an identical passage, or one sentence in common (a revision of the same
+    Wikipedia paragraph). Items without a passage are not linked."""
+    return set() if ex.passage is None else text_keys(ex.passage)
+
+
+def context_keys(ex: Example) -> set[str]:
+    """The same source of a continuation item (HellaSwag: one video or WikiHow article): a
+    sentence in common between the contexts, or one context holding the sentence that another
+    item's gold ending completes (the next window of the same video or article)."""
+    sentences = _SENTENCE_END.split(ex.question.strip())
+    completed = sentences[-1] + " " + ex.choices[ex.label].strip()
+    return text_keys(ex.question) | sentence_keys(completed)
+
+
+#: ``Task.group_by`` names one of these. Each maps an item to link keys; items sharing a key, directly
+#: or through other items, form one group (see :func:`loca.data.splits.group_ids`).
+GROUPINGS: dict[str, Callable[[Example], set[str]]] = {
+    "passage": passage_keys,
+    "context": context_keys,
+}
+
+
 @dataclass(frozen=True)
 class HubSpec:
     """Where a task lives on the Hugging Face hub: ``datasets.load_dataset(path, name)``."""
@@ -82,7 +130,10 @@ class Task:
     the official validation split (the test set), ``hub_train_split``/``hub_validation_split`` the
     same on the hub. ``train_split=None`` means there is no train split: the validation split is
     partitioned (see :mod:`loca.data.splits`). ``path`` is set for user tasks: a JSON Lines file
-    (its only split, used as validation) or a folder of ``<split>.jsonl`` files.
+    (its only split, used as validation) or a folder of ``<split>.jsonl`` files. ``group_by``
+    names a grouping in :data:`GROUPINGS`: items of one group (the same passage, the same source
+    video) are never split between the test part and the train pool, nor between train and
+    held-out.
     """
 
     name: str
@@ -97,9 +148,14 @@ class Task:
     add_eos: bool = True
     path: str | None = None
     sample: Example | None = None  # a fixed item for ``loca tasks --show`` and the docs
+    group_by: str | None = None
 
     def __post_init__(self) -> None:
         check_template(self.template)
+        if self.group_by is not None and self.group_by not in GROUPINGS:
+            raise ValueError(
+                f"task {self.name!r}: unknown group_by {self.group_by!r}; known: {', '.join(GROUPINGS)}"
+            )
 
     @property
     def uses_passage(self) -> bool:
@@ -141,6 +197,7 @@ class Task:
             "validation_split": self.validation_split,
             "add_eos": self.add_eos,
             "path": self.path,
+            "group_by": self.group_by,
         }
 
 
@@ -169,6 +226,7 @@ TASKS: dict[str, Task] = {
             "(no train split offline: validation is partitioned)",
             folder="boolq",
             hub=HubSpec("google/boolq"),
+            group_by="passage",
             sample=Example(
                 question="is windows movie maker part of windows essentials",
                 passage="Windows Movie Maker is a discontinued video editing program by Microsoft.",
@@ -229,6 +287,7 @@ TASKS: dict[str, Task] = {
             "offline: validation is partitioned; WikiHow markup removed)",
             folder="hellaswag",
             hub=HubSpec("Rowan/hellaswag"),
+            group_by="context",
             sample=Example(
                 question="A man is sitting on a roof. he",
                 choices=(
