@@ -1,5 +1,6 @@
 """The methods LoCA is compared with: LoRA (PEFT), Adapter-MeZO and full MeZO."""
 
 from .common import HeldoutSelector, MethodResult, completion_loss
+from .lora import LoraRun, LoraSettings, fit_lora
 
-__all__ = ["HeldoutSelector", "MethodResult", "completion_loss"]
+__all__ = ["HeldoutSelector", "LoraRun", "LoraSettings", "MethodResult", "completion_loss", "fit_lora"]
