@@ -59,7 +59,9 @@ class CompareSettings:
         "wall-time budget of each MeZO method in seconds, or 'auto' = LoCA's whole wall time "
         "(calibration and selection included) in the same cell, or 'none'",
     )
-    loca_abs_etas: list[float] = _f([1.0, 3.0, 10.0], "absolute step candidates of loca-abs (see docs/compare.md)")
+    loca_abs_etas: list[float] = _f(
+        [1.0, 3.0, 10.0], "absolute step candidates of loca-abs (see docs/compare.md)"
+    )
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
