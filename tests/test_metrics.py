@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,11 +18,15 @@ from loca.data import Example, encode_choices, encode_examples, get_task
 from loca.data.batching import Encoded, make_batches, pad_token_id
 from loca.metrics import (
     RECOVERY_FLAG,
+    TokenCE,
+    accuracy_stderr,
     completion_ce,
     evaluate,
     format_recovery,
+    mean_stderr,
     rank_choices,
     ranking_accuracy,
+    ratio_stderr,
     recovery,
     recovery_acc,
     recovery_ce,
@@ -138,13 +144,80 @@ def test_acc_norm_divides_by_characters_not_tokens(tok, parts, monkeypatch):
 def test_rank_choices_validation_and_ties():
     scores = {(0, 0): (-1.0, 2), (0, 1): (-1.0, 2), (1, 0): (-3.0, 100), (1, 1): (-2.0, 10)}
     r = rank_choices(scores, 2, [0, 1])
-    assert r == {"acc": 1.0, "acc_norm": 0.5, "n": 2}  # tie -> first choice
+    assert {k: r[k] for k in ("acc", "acc_norm", "n")} == {"acc": 1.0, "acc_norm": 0.5, "n": 2}
+    assert r["correct"] == [True, True] and r["correct_norm"] == [True, False]  # tie -> first
+    assert r["acc_stderr"] == 0.0 and r["acc_norm_stderr"] == pytest.approx(0.5)  # sd 0.7071/√2
+    one = rank_choices({(0, 0): (-1.0, 1), (0, 1): (-2.0, 1)}, 1, [0])
+    assert one["acc"] == 1.0 and math.isnan(one["acc_stderr"]) and math.isnan(one["acc_norm_stderr"])
     with pytest.raises(ValueError, match="expected 0..n-1"):
         rank_choices({(0, 1): (-1.0, 1)}, 1, [0])
     with pytest.raises(ValueError, match="expected 0..n-1"):
         rank_choices({(0, 0): (-1.0, 1)}, 2, [0, 0])
     with pytest.raises(ValueError, match="labels"):
         rank_choices(scores, 2, [0])
+
+
+# --- standard errors ---------------------------------------------------------------------------
+
+
+def test_mean_stderr_is_lm_evals_sample_sd_over_sqrt_n():
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 17, 200):
+        x = rng.normal(1.0, 2.0, n)
+        ref = float(np.std(x, ddof=1, dtype=np.float64) / np.sqrt(n))
+        assert mean_stderr(list(x)) == pytest.approx(ref, rel=1e-12)
+        assert mean_stderr(list(x)) == pytest.approx(statistics.stdev(x) / math.sqrt(n), rel=1e-12)
+        bits = rng.random(n) < 0.3
+        ref_bits = float(np.std(bits.astype(np.float64), ddof=1) / np.sqrt(n))
+        assert accuracy_stderr(list(bits)) == pytest.approx(ref_bits, rel=1e-12, abs=0.0)
+    # lm-eval's own formula, written out: sqrt(sum((x - mean)^2) / (n - 1)) / sqrt(n)
+    xs = [1.0, 0.0, 1.0, 1.0]
+    mu = sum(xs) / len(xs)
+    lm_eval = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) / math.sqrt(len(xs))
+    assert accuracy_stderr([True, False, True, True]) == pytest.approx(lm_eval, rel=1e-15)
+    assert accuracy_stderr([True] * 5) == 0.0
+    # n = 1: the sample sd is undefined (lm-eval reports "N/A"); n = 0 likewise
+    assert math.isnan(mean_stderr([0.7])) and math.isnan(accuracy_stderr([True]))
+    assert math.isnan(mean_stderr([]))
+
+
+def test_ratio_stderr_is_the_clustered_se_of_the_per_token_mean():
+    rng = np.random.default_rng(1)
+    for n in (2, 5, 60):
+        lengths = rng.integers(1, 8, n)
+        tokens = [rng.gamma(2.0, 1.5, k) for k in lengths]  # per-token losses of each example
+        y, x = [float(t.sum()) for t in tokens], [float(k) for k in lengths]
+        # reference: OLS of every token's loss on a constant, sandwich variance clustered by
+        # example, with the small-sample factor G/(G-1)
+        z = np.concatenate(tokens)
+        beta = z.mean()
+        scores = np.array([(t - beta).sum() for t in tokens])
+        ref = math.sqrt(n / (n - 1) * float(scores @ scores)) / len(z)
+        assert ratio_stderr(y, x) == pytest.approx(ref, rel=1e-12)
+        # the delta-method form: (1/x̄) * sqrt(Σ(y_i − R x_i)² / (n(n−1)))
+        r = sum(y) / sum(x)
+        resid = np.array(y) - r * np.array(x)
+        delta = math.sqrt(float(resid @ resid) / (n * (n - 1))) / np.mean(x)
+        assert ratio_stderr(y, x) == pytest.approx(delta, rel=1e-12)
+        # one token per example: exactly lm-eval's mean_stderr of the losses
+        assert ratio_stderr(y, [1.0] * n) == pytest.approx(mean_stderr(y), rel=1e-12)
+    assert math.isnan(ratio_stderr([3.0], [2.0])) and math.isnan(ratio_stderr([0.0, 0.0], [0, 0]))
+    with pytest.raises(ValueError, match="2 sums for 1 counts"):
+        ratio_stderr([1.0, 2.0], [1.0])
+
+
+def test_token_ce_keeps_per_example_sums():
+    ce = TokenCE()
+    ce.add(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([False, False, True]), torch.tensor([4, 4, 4]))
+    ce.add(torch.tensor([0.5, 1.5]), torch.tensor([False, True]), torch.tensor([1, 1]))
+    ce.add(torch.tensor([2.0]), torch.tensor([False]), torch.tensor([4]))  # more of example 4
+    assert ce.per_example == {4: [8.0, 4.0, 5.0, 3.0], 1: [2.0, 2.0, 0.5, 1.0]}
+    assert ce.mean == pytest.approx(10.0 / 6) and ce.mean_no_eos == pytest.approx(5.5 / 4)
+    assert ce.stderr == pytest.approx(ratio_stderr([8.0, 2.0], [4.0, 2.0]))
+    assert ce.stderr_no_eos == pytest.approx(ratio_stderr([5.0, 0.5], [3.0, 1.0]))
+    plain = TokenCE()
+    plain.add(torch.tensor([1.0, 2.0]), torch.tensor([False, False]))  # no sources: no stderr
+    assert plain.per_example == {} and math.isnan(plain.stderr)
 
 
 def test_recovery_forms_and_flags():
@@ -183,6 +256,17 @@ def test_evaluate_runs_the_model_as_hooked(tok, parts):
     ranking = ranking_accuracy(parts, batches, len(EXAMPLES), [ex.label for ex in EXAMPLES])
     assert (frozen["acc"], frozen["acc_norm"]) == (ranking["acc"], ranking["acc_norm"])
     assert frozen["n_sequences"] == sum(len(ex.choices) for ex in EXAMPLES)
+    # standard errors: acc from per-example correctness, CE as a ratio over examples
+    assert frozen["acc_stderr"] == pytest.approx(accuracy_stderr(ranking["correct"]), rel=1e-12)
+    assert frozen["acc_norm_stderr"] == pytest.approx(accuracy_stderr(ranking["correct_norm"]))
+    assert frozen["acc_stderr"] == pytest.approx(
+        float(np.std(np.array(ranking["correct"], float), ddof=1) / 2.0), rel=1e-12
+    )
+    one_by_one = [completion_ce(parts, make_batches([e], pad_token_id(tok), 1)) for e in enc]
+    for key, attr in (("test_ce_stderr", "total"), ("test_ce_no_eos_stderr", "total_no_eos")):
+        counts = [c.tokens if attr == "total" else c.tokens_no_eos for c in one_by_one]
+        ref = ratio_stderr([getattr(c, attr) for c in one_by_one], counts)
+        assert frozen[key] == pytest.approx(ref, rel=1e-5) and ref > 0
     no_eos = evaluate(parts, tok, task, EXAMPLES, max_length=64, batch_size=2, add_eos=False)
     assert no_eos["test_ce"] == pytest.approx(no_eos["test_ce_no_eos"])
     assert no_eos["test_ce"] == pytest.approx(frozen["test_ce_no_eos"], rel=1e-5)
@@ -201,6 +285,8 @@ def test_evaluate_reports_truncation(tok, parts):
     ex = Example(question=" ".join(["the"] * 80), choices=("yes", "no"), label=0)
     m = evaluate(parts, tok, get_task("arc_easy"), [ex], max_length=16, batch_size=4, add_eos=True)
     assert m["n_truncated"] == 1 and math.isfinite(m["test_ce"])
+    for key in ("acc_stderr", "acc_norm_stderr", "test_ce_stderr", "test_ce_no_eos_stderr"):
+        assert math.isnan(m[key])  # a single example: no standard error
 
 
 # --- CLI ---------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,15 +12,65 @@ from .data.batching import Batch
 from .head import head_loss_and_error
 from .models import ModelParts
 
+# --- standard errors (lm-evaluation-harness conventions) ------------------------------------
+
+
+def mean_stderr(values: Sequence[float]) -> float:
+    """Standard error of a mean as lm-evaluation-harness reports it (``lm_eval.api.metrics.
+    mean_stderr``): the sample standard deviation (ddof = 1) over ``sqrt(n)``.
+
+    NaN for fewer than two values: the harness's formula divides by ``n − 1 = 0`` there, and its
+    evaluator reports ``"N/A"`` instead of a number.
+    """
+    n = len(values)
+    if n < 2:
+        return float("nan")
+    mu = math.fsum(values) / n
+    return math.sqrt(math.fsum((float(x) - mu) ** 2 for x in values) / (n - 1)) / math.sqrt(n)
+
+
+def accuracy_stderr(correct: Sequence[bool | float]) -> float:
+    """Standard error of ``acc`` or ``acc_norm`` from per-example correctness (0/1), as
+    lm-evaluation-harness reports it: :func:`mean_stderr` of the 0/1 values (NaN for n < 2)."""
+    return mean_stderr([float(c) for c in correct])
+
+
+def ratio_stderr(sums: Sequence[float], counts: Sequence[float]) -> float:
+    """Standard error of a ratio of sums ``R = Σ y_i / Σ x_i`` over independent examples ``i``
+    (per-token CE: ``y_i`` the summed loss of example i, ``x_i`` its token count).
+
+    The delta-method (linearisation) standard error of a ratio estimator, clustered by example::
+
+        SE(R) = sqrt( n/(n−1) · Σ_i (y_i − R·x_i)² ) / Σ_i x_i
+
+    the cluster-robust standard error of the mean per-token loss with each example's tokens as
+    one cluster (tokens of one answer are not independent). With every ``x_i = 1`` it is exactly
+    :func:`mean_stderr` of the ``y_i``. NaN for fewer than two examples or no tokens.
+    """
+    n = len(sums)
+    if n != len(counts):
+        raise ValueError(f"{n} sums for {len(counts)} counts")
+    total = math.fsum(counts)
+    if n < 2 or total == 0:
+        return float("nan")
+    r = math.fsum(sums) / total
+    resid = math.fsum((float(y) - r * float(x)) ** 2 for y, x in zip(sums, counts, strict=True))
+    return math.sqrt(n / (n - 1) * resid) / total
+
 
 @dataclass
 class TokenCE:
-    """Summed cross-entropy over completion tokens, with and without the trained EOS."""
+    """Summed cross-entropy over completion tokens, with and without the trained EOS.
+
+    When :meth:`add` is given each position's example, ``per_example`` keeps ``[loss, tokens,
+    loss without EOS, tokens without EOS]`` per example, for the standard errors.
+    """
 
     total: float = 0.0
     tokens: int = 0
     total_no_eos: float = 0.0
     tokens_no_eos: int = 0
+    per_example: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def mean(self) -> float:
@@ -30,7 +80,20 @@ class TokenCE:
     def mean_no_eos(self) -> float:
         return self.total_no_eos / self.tokens_no_eos if self.tokens_no_eos else float("nan")
 
-    def add(self, losses: torch.Tensor, is_eos: torch.Tensor) -> None:
+    @property
+    def stderr(self) -> float:
+        """:func:`ratio_stderr` of :attr:`mean` over examples (NaN unless examples were given)."""
+        v = list(self.per_example.values())
+        return ratio_stderr([e[0] for e in v], [e[1] for e in v])
+
+    @property
+    def stderr_no_eos(self) -> float:
+        """:func:`ratio_stderr` of :attr:`mean_no_eos` over examples."""
+        v = list(self.per_example.values())
+        return ratio_stderr([e[2] for e in v], [e[3] for e in v])
+
+    def add(self, losses: torch.Tensor, is_eos: torch.Tensor, sources: torch.Tensor | None = None) -> None:
+        """Add per-position ``losses``; ``sources`` (optional) is each position's example index."""
         losses = losses.double()
         is_eos = is_eos.to(losses.device)
         self.total += float(losses.sum())
@@ -38,6 +101,16 @@ class TokenCE:
         keep = ~is_eos
         self.total_no_eos += float(losses[keep].sum())
         self.tokens_no_eos += int(keep.sum())
+        if sources is None:
+            return
+        ids, inverse = torch.unique(sources.to(losses.device), return_inverse=True)
+        sums = torch.zeros(len(ids), 4, dtype=torch.float64, device=losses.device)
+        values = torch.stack([losses, torch.ones_like(losses), losses * keep, keep.double()], dim=1)
+        sums.index_add_(0, inverse, values)
+        for i, row in zip(ids.tolist(), sums.cpu().tolist(), strict=True):
+            acc = self.per_example.setdefault(i, [0.0, 0.0, 0.0, 0.0])
+            for k in range(4):
+                acc[k] += row[k]
 
 
 def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
@@ -74,7 +147,7 @@ def score_choices(
     The score of a choice is the summed log-likelihood of its tokens after the prompt, EOS
     excluded, so a gold sequence that carries EOS serves both ranking and CE. Returns
     ``({(source, choice): (loglik, n_chars)}, TokenCE over the gold sequences)``; the CE is empty
-    when ``labels`` is None.
+    when ``labels`` is None, and keeps per-example sums (``TokenCE.per_example``, by source).
     """
     out: dict[tuple[int, int], tuple[float, int]] = {}
     ce = TokenCE()
@@ -92,8 +165,9 @@ def score_choices(
             out[key] = (float(sums[row]), item.n_chars)
         if labels is not None:
             gold = torch.tensor([it.choice == labels[it.source] for it in batch.items])
+            source = torch.tensor([it.source for it in batch.items])[batch.pos_b]
             at_gold = gold[batch.pos_b]
-            ce.add(loss[at_gold], batch.is_eos[at_gold])
+            ce.add(loss[at_gold], batch.is_eos[at_gold], source[at_gold])
     return out, ce
 
 
@@ -120,7 +194,9 @@ def rank_choices(
 
     ``acc``: the argmax of the summed log-likelihood is the label. ``acc_norm``: the argmax of
     log-likelihood / number of characters of the choice text is the label (lm-evaluation-harness).
-    Ties go to the lowest choice index, as ``numpy.argmax`` does.
+    Ties go to the lowest choice index, as ``numpy.argmax`` does. Returns ``acc``, ``acc_norm``,
+    ``n``, the per-example correctness ``correct`` and ``correct_norm`` (lists of bool, in example
+    order) and ``acc_stderr``, ``acc_norm_stderr`` (:func:`accuracy_stderr`).
     """
     if len(labels) != n_examples:
         raise ValueError(f"{len(labels)} labels for {n_examples} examples")
@@ -131,7 +207,8 @@ def rank_choices(
         if not 0 <= src < n_examples:
             raise ValueError(f"score for example {src}, but there are {n_examples} examples")
         per_example[src][choice] = value
-    correct = correct_norm = 0
+    correct: list[bool] = []
+    correct_norm: list[bool] = []
     for i, choices in enumerate(per_example):
         k = len(choices)
         if sorted(choices) != list(range(k)) or k == 0:
@@ -140,15 +217,23 @@ def rank_choices(
             raise ValueError(f"example {i}: label {labels[i]} out of range for {k} choices")
         ll = [choices[c][0] for c in range(k)]
         norm = [choices[c][0] / max(choices[c][1], 1) for c in range(k)]
-        correct += _first_argmax(ll) == labels[i]
-        correct_norm += _first_argmax(norm) == labels[i]
-    return {"acc": correct / n_examples, "acc_norm": correct_norm / n_examples, "n": n_examples}
+        correct.append(_first_argmax(ll) == labels[i])
+        correct_norm.append(_first_argmax(norm) == labels[i])
+    return {
+        "acc": sum(correct) / n_examples,
+        "acc_norm": sum(correct_norm) / n_examples,
+        "n": n_examples,
+        "correct": correct,
+        "correct_norm": correct_norm,
+        "acc_stderr": accuracy_stderr(correct),
+        "acc_norm_stderr": accuracy_stderr(correct_norm),
+    }
 
 
 def ranking_accuracy(
     parts: ModelParts, batches_of_choices: Iterable[Batch], n_examples: int, labels: list[int]
 ) -> dict:
-    """Ranking accuracy of the model as currently hooked: ``{"acc", "acc_norm", "n"}``.
+    """Ranking accuracy of the model as currently hooked: :func:`rank_choices`'s dict.
 
     ``batches_of_choices`` hold one sequence per (example, choice), as made by
     :func:`loca.data.encoding.encode_choices` and :func:`loca.data.batching.make_batches`;
@@ -238,7 +323,10 @@ def evaluate(
     ``test_ce`` (mean per-token CE over completion tokens, EOS included when ``add_eos``),
     ``test_ce_no_eos``, ``acc``, ``acc_norm``, ``n_test``, ``padding_fraction`` (share of padded
     positions in the batches run), ``n_sequences``, ``n_tokens`` (gold completion tokens scored
-    for CE) and ``n_truncated`` (examples whose prompt was cut from the left to fit).
+    for CE) and ``n_truncated`` (examples whose prompt was cut from the left to fit), and the
+    standard errors ``acc_stderr``, ``acc_norm_stderr`` (:func:`accuracy_stderr`, as
+    lm-evaluation-harness) and ``test_ce_stderr``, ``test_ce_no_eos_stderr``
+    (:func:`ratio_stderr` over examples); each is NaN for a single example.
 
     Every choice of an example is scored after the same prompt tokens (see
     :func:`loca.data.encoding.encode_choices`). Without truncation, ``test_ce`` equals
@@ -269,4 +357,8 @@ def evaluate(
         "n_sequences": len(items),
         "n_tokens": ce.tokens,
         "n_truncated": count_truncated(tokenizer, task, examples, gold),
+        "acc_stderr": ranking["acc_stderr"],
+        "acc_norm_stderr": ranking["acc_norm_stderr"],
+        "test_ce_stderr": ce.stderr,
+        "test_ce_no_eos_stderr": ce.stderr_no_eos,
     }
