@@ -109,11 +109,11 @@ def run_adapter_mezo(cell: CellData, settings) -> Outcome:
     from ..baselines.mezo import fit_adapter_mezo
 
     run = fit_adapter_mezo(cell.parts, cell.minibatches, cell.heldout, settings, progress=False)
-    return run.result, run.cleanup
+    return run.result, run.restore
 
 
 def run_mezo(cell: CellData, settings) -> Outcome:
     from ..baselines.mezo import fit_mezo
 
     run = fit_mezo(cell.parts, cell.minibatches, cell.heldout, settings, progress=False)
-    return run.result, run.cleanup
+    return run.result, run.restore

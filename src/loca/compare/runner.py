@@ -210,8 +210,10 @@ def _method_config(method: str, configs: MethodConfigs, s: CompareSettings, seed
         budget = loca_wall  # None when LoCA is not in the comparison: the step budget alone
     else:
         budget = float(s.mezo_time_budget)
-    cfg = configs.adapter_mezo if method == "adapter-mezo" else configs.mezo
-    return replace(cfg, seed=seed, time_budget_s=budget).to_dict()
+    if method == "adapter-mezo":  # the same adapters as LoCA's
+        cfg = replace(configs.adapter_mezo, seed=seed, time_budget_s=budget, rank=configs.loca.rank)
+        return cfg.to_dict()
+    return replace(configs.mezo, seed=seed, time_budget_s=budget).to_dict()
 
 
 def _prepare(parts: ModelParts, tokenizer, task, splits, seed: int, loca: LocaConfig,

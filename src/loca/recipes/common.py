@@ -74,23 +74,33 @@ def add_dataclass_args(
         if f.name in skip:
             continue
         flag = "--" + (f"{prefix}-" if prefix else "") + f.name.replace("_", "-")
-        dest = (f"{prefix}_" if prefix else "") + f.name
+        dest = (f"{prefix.replace('-', '_')}_" if prefix else "") + f.name
         default = f.default if f.default is not MISSING else f.default_factory()
-        help_text = f.metadata["help"]
-        if isinstance(default, bool):
+        help_text = f.metadata["help"] + f" (default {default})"
+        kind = _field_type(f)
+        if kind is bool:
             g.add_argument(flag, dest=dest, default=default, action=argparse.BooleanOptionalAction,
-                           help=help_text)
-        elif isinstance(default, list):
-            g.add_argument(flag, dest=dest, type=type(default[0]) if default else str, nargs="+",
-                           default=default, help=help_text + f" (default {default})")
+                           help=f.metadata["help"])
+        elif isinstance(kind, list):
+            g.add_argument(flag, dest=dest, type=kind[0], nargs="+", default=default, help=help_text)
         else:
-            g.add_argument(flag, dest=dest, type=float if default is None else type(default),
-                           default=default, help=help_text + f" (default {default})")
+            g.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)
+
+
+def _field_type(f):
+    """``bool``, a scalar type, or ``[element type]`` for a list field, from the annotation."""
+    ann = str(f.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if ann.startswith(f"list[{name}]"):
+            return [kind]
+        if ann.startswith(name):
+            return kind
+    raise TypeError(f"no command-line type for field {f.name}: {ann}")
 
 
 def dataclass_from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):
     """Build ``cls`` from the flags :func:`add_dataclass_args` added (missing fields keep defaults)."""
-    dest = lambda name: (f"{prefix}_" if prefix else "") + name  # noqa: E731
+    dest = lambda name: (f"{prefix.replace('-', '_')}_" if prefix else "") + name  # noqa: E731
     values = {f.name: getattr(args, dest(f.name)) for f in fields(cls) if hasattr(args, dest(f.name))}
     return cls(**{**values, **overrides})
 

@@ -31,8 +31,9 @@ from .common import (
     resolve_data_dir,
 )
 
-# The seed of every method comes from --seeds; MeZO's time budget from --mezo-time-budget.
-_MEZO_SKIP = ("seed", "time_budget_s")
+# The seed of every method comes from --seeds, MeZO's time budget from --mezo-time-budget and
+# Adapter-MeZO's adapter rank from --rank (it perturbs the same adapters LoCA fits).
+_MEZO_SKIP = ("seed", "time_budget_s", "rank")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         loca=config_from_args(args),
         lora=dataclass_from_args(LoraSettings, args, "lora"),
         adapter_mezo=dataclass_from_args(MezoSettings, args, "mezo"),
-        mezo=dataclass_from_args(MezoSettings, args, "full_mezo"),
+        mezo=dataclass_from_args(MezoSettings, args, "full-mezo"),
     )
     report = run_compare(
         settings, configs, model=args.model, out=args.out, data_dir=resolve_data_dir(args.data_dir),
