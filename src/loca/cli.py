@@ -14,6 +14,7 @@ RECIPES = {
     "evaluate": "evaluate",
     "tasks": "tasks",
     "bench": "bench",
+    "compare": "compare",
 }
 
 
