@@ -94,7 +94,8 @@ def write_plots(out: str | Path, cells: list[dict], rows: list[dict]) -> list[Pa
             vals = [r["acc"] for r in rows if r["task"] == t and r["method"] == m and r["acc"] is not None]
             mean = sum(vals) / len(vals) if vals else float("nan")
             means.append(mean)
-            errs.append([[mean - min(vals)], [max(vals) - mean]] if vals else [[0], [0]])
+            # min–max over seeds; clamped at 0 against the mean's rounding
+            errs.append([[max(0.0, mean - min(vals))], [max(0.0, max(vals) - mean)]] if vals else [[0], [0]])
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(tasks))]
         yerr = [[e[0][0] for e in errs], [e[1][0] for e in errs]]
         ax.bar(xs, means, width, yerr=yerr, capsize=2, color=COLORS[m], label=m)

@@ -145,8 +145,8 @@ def table_markdown(rows: list[dict]) -> str:
         "",
     ]
 
-    def table(metric: str, title: str, lower_better: bool, digits: int) -> None:
-        extra = ["R_CE", "R_acc"] if "loca" in methods and "lora" in methods else []
+    def table(metric: str, title: str, lower_better: bool, digits: int, ratio: str | None) -> None:
+        extra = [ratio] if ratio and "loca" in methods and "lora" in methods else []
         lines.extend([f"## {title}", "", "| task | " + " | ".join(LABELS[m] for m in methods)
                       + "".join(f" | {e} (LoCA)" for e in extra) + " |",
                       "|---|" + "---|" * (len(methods) + len(extra))])  # fmt: skip
@@ -164,10 +164,10 @@ def table_markdown(rows: list[dict]) -> str:
             lines.append(f"| {t} | " + " | ".join(vals) + " |")
         lines.append("")
 
-    table("test_ce", "Test CE per token (answer + EOS)", True, 3)
-    table("test_ce_no_eos", "Test CE per token without EOS", True, 3)
-    table("acc", "Test accuracy (acc)", False, 3)
-    table("acc_norm", "Test accuracy (acc_norm)", False, 3)
+    table("test_ce", "Test CE per token (answer + EOS)", True, 3, "R_CE")
+    table("test_ce_no_eos", "Test CE per token without EOS", True, 3, None)
+    table("acc", "Test accuracy (acc)", False, 3, "R_acc")
+    table("acc_norm", "Test accuracy (acc_norm)", False, 3, None)
     lines.extend(["## Wall time (s): whole fit with its selection (LoCA: calibration included); "
                   "time to the best held-out CE in brackets", "",
                   "| task | " + " | ".join(LABELS[m] for m in methods if m != "frozen") + " |",
