@@ -186,7 +186,7 @@ def table_markdown(rows: list[dict]) -> str:
                   "", "| task | " + " | ".join(LABELS[m] for m in methods) + " |",
                   "|---|" + "---|" * len(methods)])  # fmt: skip
     for t in tasks:
-        vals = [f"{_mean_spread([r['peak_memory_mb'] for r in cell[(t, m)]])[0]:.0f}" for m in methods]
+        vals = [_fmt([r["peak_memory_mb"] for r in cell[(t, m)]], 0).split(" ±")[0] for m in methods]
         lines.append(f"| {t} | " + " | ".join(vals) + " |")
     return "\n".join(lines) + "\n"
 
