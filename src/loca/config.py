@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 
-def _f(default, help: str, **kw):
+def option(default, help: str, **kw):
+    """A dataclass field with its help text (the CLI flag's help); lists get a default factory."""
     if isinstance(default, list | tuple):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -15,25 +16,27 @@ def _f(default, help: str, **kw):
 class LocaConfig:
     """Hyper-parameters of calibration (Stage I) and forward-only fitting (Stage II)."""
 
-    rank: int = _f(32, "adapter rank r (A is r×d, fixed; B is d×r, fitted)")
-    feedback_rank: int = _f(8, "rank k of each block's feedback map F_l")
-    beta_rel: float = _f(1e-3, "relative ridge of the feedback fit: β = β_rel·trace(EᵀE)/d")
-    lam_rel: list[float] = _f([1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r")
-    etas: list[float] = _f([0.003, 0.01, 0.03], "dimensionless step-size candidates η")
-    step_scale: str = _f(
+    rank: int = option(32, "adapter rank r (A is r×d, fixed; B is d×r, fitted)")
+    feedback_rank: int = option(8, "rank k of each block's feedback map F_l")
+    beta_rel: float = option(1e-3, "relative ridge of the feedback fit: β = β_rel·trace(EᵀE)/d")
+    lam_rel: list[float] = option(
+        [1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r"
+    )
+    etas: list[float] = option([0.003, 0.01, 0.03], "dimensionless step-size candidates η")
+    step_scale: str = option(
         "rms",
         "target step: 'rms' = η relative to the residual stream (η·RMS(h)/RMS(F e) per block and "
         "batch); 'absolute' = η as an absolute step (the paper's unnormalised ablation)",
     )
-    max_iters: int = _f(40, "maximum number of outer iterations T_max")
-    patience: int = _f(3, "stop a trajectory after this many iterations without held-out improvement")
-    groups: int = _f(1, "Gauss–Seidel groups: 1 = Jacobi, num_blocks = full Gauss–Seidel")
-    probe_positions: int = _f(1000, "minimum number of predict positions in the calibration probe")
-    probe_micro_batch: int = _f(8, "sequences per probe micro-batch (bounds the probe's peak memory)")
-    batch_size: int = _f(16, "sequences per forward batch in Stage II and evaluation")
-    max_length: int = _f(256, "maximum tokens per sequence; prompts are truncated from the left")
-    add_eos: bool = _f(True, "append EOS to the completion (and train on it)")
-    seed: int = _f(0, "seed of A, probe sampling and random diagnostics")
+    max_iters: int = option(40, "maximum number of outer iterations T_max")
+    patience: int = option(3, "stop a trajectory after this many iterations without held-out improvement")
+    groups: int = option(1, "Gauss–Seidel groups: 1 = Jacobi, num_blocks = full Gauss–Seidel")
+    probe_positions: int = option(1000, "minimum number of predict positions in the calibration probe")
+    probe_micro_batch: int = option(8, "sequences per probe micro-batch (bounds the probe's peak memory)")
+    batch_size: int = option(16, "sequences per forward batch in Stage II and evaluation")
+    max_length: int = option(256, "maximum tokens per sequence; prompts are truncated from the left")
+    add_eos: bool = option(True, "append EOS to the completion (and train on it)")
+    seed: int = option(0, "seed of A, probe sampling and random diagnostics")
 
     def __post_init__(self) -> None:
         self.lam_rel = [float(x) for x in self.lam_rel]

@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..config import option
 from ..data.batching import Batch
 from ..models import ModelParts
 from .common import HeldoutSelector, MethodResult, completion_loss
@@ -26,28 +27,22 @@ from .common import HeldoutSelector, MethodResult, completion_loss
 ADAPTER_NAME = "default"
 
 
-def _f(default, help: str):
-    if isinstance(default, list | tuple):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class LoraSettings:
     """Hyper-parameters of the LoRA baseline."""
 
-    rank: int = _f(32, "LoRA rank r")
-    alpha: float = _f(64, "LoRA alpha; the update is scaled by alpha / r")
-    dropout: float = _f(0.0, "dropout on the LoRA input (the model trains in train mode only when > 0)")
-    target_modules: list[str] = _f(
+    rank: int = option(32, "LoRA rank r")
+    alpha: float = option(64, "LoRA alpha; the update is scaled by alpha / r")
+    dropout: float = option(0.0, "dropout on the LoRA input (the model trains in train mode only when > 0)")
+    target_modules: list[str] = option(
         ["q_proj", "k_proj", "v_proj", "o_proj"], "names of the block linear layers that get LoRA"
     )
-    lrs: list[float] = _f([2e-4, 1e-3], "AdamW learning-rate candidates, selected by held-out CE")
-    epochs: int = _f(3, "passes over the training batches per learning rate")
-    eval_every: int = _f(0, "held-out CE every N optimizer steps; 0 = after every epoch")
-    weight_decay: float = _f(0.0, "AdamW weight decay of the LoRA parameters")
-    grad_clip: float = _f(1.0, "clip the LoRA gradient's global norm to this; 0 = no clipping")
-    seed: int = _f(0, "seed of the LoRA init, the batch order and dropout")
+    lrs: list[float] = option([2e-4, 1e-3], "AdamW learning-rate candidates, selected by held-out CE")
+    epochs: int = option(3, "passes over the training batches per learning rate")
+    eval_every: int = option(0, "held-out CE every N optimizer steps; 0 = after every epoch")
+    weight_decay: float = option(0.0, "AdamW weight decay of the LoRA parameters")
+    grad_clip: float = option(1.0, "clip the LoRA gradient's global norm to this; 0 = no clipping")
+    seed: int = option(0, "seed of the LoRA init, the batch order and dropout")
 
     def __post_init__(self) -> None:
         self.lrs = [float(x) for x in self.lrs]

@@ -44,6 +44,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..adapters import ResidualAdapters
+from ..config import option
 from ..data.batching import Batch
 from ..models import ModelParts
 from .common import HeldoutSelector, MethodResult, completion_loss
@@ -52,30 +53,24 @@ ADAPTER_LRS = (1e-3, 3e-3, 1e-2)  # × 1/√D; see the module docstring
 FULL_LRS = (3e-2, 1e-1, 3e-1)
 
 
-def _f(default, help: str):
-    if isinstance(default, list | tuple):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class MezoSettings:
     """Hyper-parameters of Adapter-MeZO and full MeZO."""
 
-    lrs: list[float] | None = _f(
+    lrs: list[float] | None = option(
         None,
         "learning-rate candidates before the 1/sqrt(D) scaling (D = perturbed parameters); the "
         f"step is lr/sqrt(D)·g·z. None: {list(ADAPTER_LRS)} for adapters, {list(FULL_LRS)} for all "
         "weights (0.1–1 × the 1/tr(H) optimum measured on SmolLM2-135M; see loca.baselines.mezo)",
     )
-    eps: list[float] = _f([1e-3], "perturbation scale ε candidates (z ~ N(0, I))")
-    max_steps: int = _f(2000, "SPSA steps per candidate (two forward passes each)")
-    time_budget_s: float | None = _f(
+    eps: list[float] = option([1e-3], "perturbation scale ε candidates (z ~ N(0, I))")
+    max_steps: int = option(2000, "SPSA steps per candidate (two forward passes each)")
+    time_budget_s: float | None = option(
         None, "wall-time budget of the whole method, split equally between candidates; None: no limit"
     )
-    eval_every: int = _f(100, "held-out CE every this many steps (and at each candidate's end)")
-    seed: int = _f(0, "seed of the noise z, the minibatch order and (adapter-MeZO) A")
-    rank: int = _f(32, "adapter rank r (adapter-MeZO only)")
+    eval_every: int = option(100, "held-out CE every this many steps (and at each candidate's end)")
+    seed: int = option(0, "seed of the noise z, the minibatch order and (adapter-MeZO) A")
+    rank: int = option(32, "adapter rank r (adapter-MeZO only)")
 
     def __post_init__(self) -> None:
         if self.lrs is not None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..bench import PeakMemory
-from ..config import LocaConfig
+from ..config import LocaConfig, option
 from ..data import encode_examples, get_task, load_splits, make_batches
 from ..data.batching import pad_token_id
 from ..io import atomic_write_json
@@ -37,29 +37,23 @@ DEFAULT_TASKS = ["sst2", "boolq", "arc_easy", "obqa", "hellaswag"]
 DEFAULT_METHODS = ["frozen", "lora", "adapter-mezo", "loca"]
 
 
-def _f(default, help: str):
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class CompareSettings:
     """What a comparison runs: methods × tasks × seeds, and the sizes every cell shares."""
 
-    methods: list[str] = _f(DEFAULT_METHODS, f"methods, from {', '.join(METHODS)}")
-    tasks: list[str] = _f(DEFAULT_TASKS, "tasks (see `loca tasks`)")
-    seeds: list[int] = _f([0, 1, 2], "seeds: each draws its own splits, A, LoRA init and MeZO noise")
-    n_train: int = _f(1000, "training examples per cell")
-    n_heldout: int = _f(250, "held-out examples per cell (selection of every method)")
-    n_test: int = _f(500, "test examples per cell (0: the whole test split)")
-    train_batch_size: int = _f(16, "sequences per LoRA / MeZO optimisation step")
-    mezo_time_budget: str = _f(
+    methods: list[str] = option(DEFAULT_METHODS, f"methods, from {', '.join(METHODS)}")
+    tasks: list[str] = option(DEFAULT_TASKS, "tasks (see `loca tasks`)")
+    seeds: list[int] = option([0, 1, 2], "seeds: each draws its own splits, A, LoRA init and MeZO noise")
+    n_train: int = option(1000, "training examples per cell")
+    n_heldout: int = option(250, "held-out examples per cell (selection of every method)")
+    n_test: int = option(500, "test examples per cell (0: the whole test split)")
+    train_batch_size: int = option(16, "sequences per LoRA / MeZO optimisation step")
+    mezo_time_budget: str = option(
         "auto",
         "wall-time budget of each MeZO method in seconds, or 'auto' = LoCA's whole wall time "
         "(calibration and selection included) in the same cell, or 'none'",
     )
-    loca_abs_etas: list[float] = _f(
+    loca_abs_etas: list[float] = option(
         [1.0, 3.0, 10.0], "absolute step candidates of loca-abs (see docs/compare.md)"
     )
 
