@@ -98,3 +98,16 @@ def test_unknown_method_is_a_clear_error(setup, capsys):
     bad = [*args[: args.index("--methods")], "--methods", "frozen", "sgd"]
     assert main([*bad, "--out", str(root / "bad")]) == 2
     assert "unknown method" in capsys.readouterr().err
+
+
+def test_list_flags_take_commas_or_spaces():
+    from loca.cli import build_parser
+    from loca.compare import CompareSettings
+    from loca.recipes.common import config_from_args, dataclass_from_args
+
+    args = build_parser().parse_args(
+        ["compare", "--out", "x", "--methods", "frozen,lora", "loca", "--seeds", "0,1", "--etas", "0.01,0.03"]
+    )
+    settings = dataclass_from_args(CompareSettings, args)
+    assert settings.methods == ["frozen", "lora", "loca"] and settings.seeds == [0, 1]
+    assert config_from_args(args).etas == [0.01, 0.03]

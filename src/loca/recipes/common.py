@@ -82,9 +82,20 @@ def add_dataclass_args(
             g.add_argument(flag, dest=dest, default=default, action=argparse.BooleanOptionalAction,
                            help=f.metadata["help"])
         elif isinstance(kind, list):
-            g.add_argument(flag, dest=dest, type=kind[0], nargs="+", default=default, help=help_text)
+            g.add_argument(flag, dest=dest, type=_comma_list(kind[0]), nargs="+", default=default,
+                           help=help_text + "; space- or comma-separated")
         else:
             g.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)
+
+
+def _comma_list(kind):
+    """Parse one command-line word as a comma-separated list (``sst2,boolq`` or ``0,1,2``)."""
+
+    def parse(word: str) -> list:
+        return [kind(x) for x in word.split(",") if x]
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
 
 
 def _field_type(f):
@@ -102,6 +113,9 @@ def dataclass_from_args(cls, args: argparse.Namespace, prefix: str = "", **overr
     """Build ``cls`` from the flags :func:`add_dataclass_args` added (missing fields keep defaults)."""
     dest = lambda name: (f"{prefix.replace('-', '_')}_" if prefix else "") + name  # noqa: E731
     values = {f.name: getattr(args, dest(f.name)) for f in fields(cls) if hasattr(args, dest(f.name))}
+    for name, value in values.items():  # a list flag's words are lists themselves (comma-separated)
+        if isinstance(value, list):
+            values[name] = [x for v in value for x in (v if isinstance(v, list) else [v])]
     return cls(**{**values, **overrides})
 
 
