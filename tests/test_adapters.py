@@ -93,3 +93,24 @@ def test_in_place_edits_of_b_take_effect():
     assert not torch.allclose(edited, frozen)
     adapters.B[0].zero_()
     assert torch.equal(logits(model, batch), frozen)
+
+
+def test_zero_b_is_skipped_without_testing_values_in_the_forward(monkeypatch):
+    """B known zero (after reset/set_b) skips the correction; an in-place edit makes it active
+    without a value test (no device sync per forward), and an edit back to zero stays exact."""
+    model, parts = tiny_llama()
+    batch = make_batches(sequences(4), pad_id=0)[0]
+    before = logits(model, batch)
+    adapters = ResidualAdapters(parts, rank=4).attach()
+    adapters.reset()
+    calls = []
+    real_any = torch.Tensor.any
+    monkeypatch.setattr(torch.Tensor, "any", lambda self, *a, **k: calls.append(1) or real_any(self, *a, **k))
+    assert torch.equal(logits(model, batch), before)
+    adapters.B[0].add_(1.0)
+    changed = logits(model, batch)
+    adapters.B[0].sub_(1.0)  # back to zero, in place: the correction runs and adds exact zeros
+    assert torch.equal(logits(model, batch), before) and not torch.equal(changed, before)
+    assert calls == []
+    adapters.set_b(adapters.get_b())
+    assert adapters._b_state(0, torch.float32)[0] is False

@@ -57,6 +57,8 @@ class ResidualAdapters:
         self._handles: list = []
         self._recorder: Recorder | None = None
         self._derived: dict[int, tuple] = {}  # per block: what is derived from B (see _b_state)
+        self._zero: dict[int, tuple] = {}  # per block: (B, version) while B is known to be zero
+        self._mark_zero()
 
     # -- attach / detach -------------------------------------------------------------------
     @property
@@ -99,17 +101,24 @@ class ResidualAdapters:
             self._recorder = None
 
     def _b_state(self, layer: int, dtype: torch.dtype) -> tuple[bool, Tensor, Tensor]:
-        """``(B_l ≠ 0, Aᵀ, Bᵀ)`` with A and B cast to ``dtype``, recomputed only when B_l is
-        replaced or edited in place (its version changes): testing B on every forward would cost
-        a device sync per block on a GPU, and casting it a kernel launch. The cache holds the B
-        tensor itself, so its identity cannot be reused by another tensor."""
+        """``(B_l may be non-zero, Aᵀ, Bᵀ)`` with A and B cast to ``dtype``, recomputed only when
+        B_l is replaced or edited in place (its version changes): casting on every forward would
+        cost a kernel launch per block. B_l counts as zero only while it is the tensor that
+        :meth:`reset` or :meth:`set_b` found zero, unedited since; testing its values here would
+        cost a device sync per block after every in-place edit (three per MeZO step). The cache
+        holds the B tensor itself, so its identity cannot be reused by another tensor."""
         b = self.B[layer]
         cached = self._derived.get(layer)
         if cached is None or cached[0] is not b or cached[1] != (b._version, dtype):
-            active = bool(b.any())
+            zero = self._zero.get(layer)
+            active = zero is None or zero[0] is not b or zero[1] != b._version
             cached = (b, (b._version, dtype), active, self.A[layer].T.to(dtype), b.T.to(dtype))
             self._derived[layer] = cached
         return cached[2], cached[3], cached[4]
+
+    def _mark_zero(self) -> None:
+        """Record which B are zero now (one check per block, outside any forward)."""
+        self._zero = {i: (b, b._version) for i, b in enumerate(self.B) if not b.any()}
 
     def _hook(self, layer: int):
         def hook(module, args, kwargs, output):
@@ -144,10 +153,12 @@ class ResidualAdapters:
             if b.shape != self.B[i].shape:
                 raise ValueError(f"B[{i}] has shape {tuple(b.shape)}, expected {tuple(self.B[i].shape)}")
             self.B[i] = b.to(self.devices[i], torch.float32).clone()
+        self._mark_zero()
 
     def reset(self) -> None:
         for b in self.B:
             b.zero_()
+        self._mark_zero()
 
     def norm(self) -> float:
         return float(sum(float(b.double().pow(2).sum()) for b in self.B) ** 0.5)
