@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for pkg in ("loca", "torch", "transformers", "safetensors"):
+    for pkg in ("loca", "torch", "transformers", "safetensors", "peft"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:

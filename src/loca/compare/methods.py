@@ -71,11 +71,7 @@ def run_loca(cell: CellData, cfg: LocaConfig, method: str = "loca") -> Outcome:
         }
         for r in res.history
     ]
-    best = next(
-        (h for h in history if h["step"] == res.best_iteration and h["candidate"] is not None
-         and h["candidate"]["eta"] == res.eta and h["candidate"]["lam_rel"] == res.lam_rel),
-        history[0],
-    )  # fmt: skip
+    best = min(history, key=lambda h: h["heldout_ce"])  # the first row at the lowest CE: fit's pick
     result = MethodResult(
         method=method,
         frozen_heldout_ce=res.frozen_heldout_ce,

@@ -117,7 +117,7 @@ def run_compare(
         "fingerprint": fingerprint(parts),
         "dtype": dtype,
         "device_type": parts.device.type,
-        "versions": _versions(),
+        "versions": versions(),
         "sizes": {"n_train": settings.n_train, "n_heldout": settings.n_heldout, "n_test": settings.n_test,
                   "train_batch_size": settings.train_batch_size},
         "evaluation": {"max_length": configs.loca.max_length, "batch_size": configs.loca.batch_size,
@@ -169,17 +169,6 @@ def run_compare(
                     loca_wall = fit["wall_time_s"]
     log(f"cells: {counts['run']} run, {counts['reused']} reused ({time.perf_counter() - start:.0f} s)")
     return write_report(out, store.all_cells())
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    v = versions()
-    try:
-        v["peft"] = version("peft")
-    except PackageNotFoundError:
-        v["peft"] = "not installed"
-    return v
 
 
 def _close(a: float, b: float) -> bool:
