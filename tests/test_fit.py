@@ -10,6 +10,7 @@ from synthetic import VOCAB, sequences, tiny_llama
 
 from loca.adapters import ResidualAdapters, adapter_a
 from loca.calibrate import FeedbackMaps, calibrate
+from loca.config import LocaConfig
 from loca.data.batching import Encoded, make_batches
 from loca.fit import block_groups, collect_statistics, fit
 from loca.ridge import FeedbackFactors, solve_block
@@ -67,7 +68,7 @@ def tiny_setup(n_train=48, n_heldout=24, seed=0):
 
 def test_fit_improves_heldout_ce_and_records_history():
     _, parts, maps, train, heldout = tiny_setup()
-    res = fit(parts, maps, train, heldout, rank=8, etas=(0.01, 0.03), max_iters=4, progress=False)
+    res = fit(parts, maps, train, heldout, LocaConfig(rank=8, etas=[0.01, 0.03], max_iters=4), progress=False)
     assert res.improved and res.best_iteration >= 1
     assert res.heldout_ce < res.frozen_heldout_ce
     assert res.history[0]["iteration"] == 0 and res.history[0]["heldout_ce"] == res.frozen_heldout_ce
@@ -87,7 +88,7 @@ def test_fit_improves_heldout_ce_and_records_history():
 
 def test_fit_is_deterministic_on_cpu():
     _, parts, maps, train, heldout = tiny_setup()
-    kw = dict(rank=8, etas=(0.01,), max_iters=2, progress=False, seed=3)
+    kw = dict(cfg=LocaConfig(rank=8, etas=[0.01], max_iters=2, seed=3), progress=False)
     first = fit(parts, maps, train, heldout, **kw).adapters
     b1 = first.get_b()
     with pytest.raises(RuntimeError, match="another set"):
@@ -103,7 +104,9 @@ def test_gauss_seidel_groups():
     assert block_groups(5, 2) == [[0, 1], [2, 3, 4]]
     assert block_groups(3, 9) == [[0], [1], [2]]
     _, parts, maps, train, heldout = tiny_setup()
-    res = fit(parts, maps, train, heldout, rank=8, etas=(0.01,), max_iters=2, groups=3, progress=False)
+    res = fit(
+        parts, maps, train, heldout, LocaConfig(rank=8, etas=[0.01], max_iters=2, groups=3), progress=False
+    )
     assert res.improved
 
 
@@ -111,7 +114,8 @@ def test_frozen_model_is_returned_when_nothing_beats_it():
     _, parts, maps, train, heldout = tiny_setup()
     # flipped and huge maps: every step goes uphill
     bad = FeedbackMaps([FeedbackFactors(-1e3 * f.us, f.v) for f in maps.factors], maps.fingerprint)
-    res = fit(parts, bad, train, heldout, rank=8, etas=(0.03,), max_iters=3, patience=1, progress=False)
+    cfg = LocaConfig(rank=8, etas=[0.03], max_iters=3, patience=1)
+    res = fit(parts, bad, train, heldout, cfg, progress=False)
     assert not res.improved and res.best_iteration == 0 and res.eta is None
     assert res.adapters.norm() == 0.0
     assert res.heldout_ce == res.frozen_heldout_ce
@@ -130,7 +134,7 @@ def test_non_finite_statistics_stop_safely_and_keep_the_best(monkeypatch):
         return loss, e
 
     monkeypatch.setattr(fit_mod, "head_loss_and_error", poisoned)
-    res = fit(parts, maps, train, heldout, rank=8, etas=(0.01,), max_iters=5, progress=False)
+    res = fit(parts, maps, train, heldout, LocaConfig(rank=8, etas=[0.01], max_iters=5), progress=False)
     assert res.best_iteration == 1 and res.improved
     assert "non-finite" in next(iter(res.stop_reasons.values()))
     assert all(torch.isfinite(b).all() for b in res.adapters.B)
@@ -155,9 +159,7 @@ def test_interrupt_restores_the_best_snapshot(tmp_path):
             maps,
             train,
             heldout,
-            rank=8,
-            etas=(0.01,),
-            max_iters=5,
+            LocaConfig(rank=8, etas=[0.01], max_iters=5),
             adapters=adapters,
             on_improve=save,
             on_iteration=interrupt,
@@ -187,12 +189,12 @@ def test_statistics_are_tiny():
 
 def test_absolute_step_scale_is_an_option():
     _, parts, maps, train, heldout = tiny_setup()
-    kw = dict(rank=8, etas=(0.01,), max_iters=1, patience=1, progress=False)
-    rel = fit(parts, maps, train, heldout, **kw).adapters
+    kw = dict(rank=8, etas=[0.01], max_iters=1, patience=1)
+    rel = fit(parts, maps, train, heldout, LocaConfig(**kw), progress=False).adapters
     b_rel = rel.get_b()
     rel.detach()
-    ab = fit(parts, maps, train, heldout, step_scale="absolute", **kw).adapters
+    ab = fit(parts, maps, train, heldout, LocaConfig(step_scale="absolute", **kw), progress=False).adapters
     assert not all(torch.equal(x, y) for x, y in zip(b_rel, ab.get_b(), strict=True))
     ab.detach()
     with pytest.raises(ValueError, match="step_scale"):
-        fit(parts, maps, train, heldout, step_scale="bogus", **kw)
+        LocaConfig(step_scale="bogus", **kw)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from loca.calibrate import calibrate, select_probe
+from loca.config import LocaConfig
 from loca.data import encode_examples, get_task, load_splits
 from loca.data.batching import make_batches, pad_token_id
 from loca.fit import fit
@@ -35,7 +36,7 @@ def test_calibration_aligns_and_loca_beats_the_frozen_model(smollm2):
 
     train = make_batches(train_items, pad, batch_size=32)
     heldout = make_batches(heldout_items, pad, batch_size=32)
-    result = fit(parts, maps, train, heldout, etas=(0.003,), max_iters=2, progress=False)
+    result = fit(parts, maps, train, heldout, LocaConfig(etas=[0.003], max_iters=2), progress=False)
     try:
         assert result.improved
         assert result.heldout_ce < 0.8 * result.frozen_heldout_ce

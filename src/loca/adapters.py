@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .io import atomic_dir, atomic_write_json
 from .models import ModelParts, fingerprint
+from .ridge import nystrom_top_eigenvectors
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -29,6 +30,42 @@ def adapter_a(seed: int, layer: int, rank: int, d: int) -> Tensor:
     key = hashlib.sha256(f"loca-A:{seed}:{layer}".encode()).digest()[:8]
     gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
     return torch.randn(rank, d, generator=gen, dtype=torch.float32) / d**0.5
+
+
+@torch.inference_mode()
+def principal_a(parts: ModelParts, batches, rank: int, seed: int = 0, oversample: int = 10) -> list[Tensor]:
+    """A data-dependent A_l (r×d, orthonormal rows): the top-r principal directions (uncentred) of
+    block l's input at the predict positions, from one forward pass over ``batches``.
+
+    Each block streams only the sketch ``Σ Hᵀ(HΩ)`` (d×m, m = r + ``oversample``) with a seeded
+    Gaussian Ω; :func:`loca.ridge.nystrom_top_eigenvectors` turns it into the eigenvectors, so no
+    d×d matrix and no hidden state outlives its batch. Deterministic for a fixed seed on CPU."""
+    d = parts.hidden_size
+    m = min(d, rank + oversample)
+    devices = parts.block_devices()
+    omegas = [adapter_a(seed + 7919, l, m, d).T.double().to(dev) for l, dev in enumerate(devices)]
+    sketches = [torch.zeros(d, m, dtype=torch.float64, device=dev) for dev in devices]
+    where: dict[str, Tensor] = {}
+
+    def hook(layer: int):
+        def accumulate(module, args, kwargs, output):
+            h_in = args[0] if args else kwargs["hidden_states"]
+            rows = h_in[where["b"], where["t"]].double()
+            sketches[layer].add_(rows.T @ (rows @ omegas[layer]))
+
+        return accumulate
+
+    handles = [blk.register_forward_hook(hook(l), with_kwargs=True) for l, blk in enumerate(parts.blocks)]
+    try:
+        for batch in batches:
+            b = batch.to(parts.device)
+            where["b"], where["t"] = b.pos_b, b.pos_t
+            parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
+    finally:
+        for h in handles:
+            h.remove()
+    pairs = zip(sketches, omegas, strict=True)
+    return [nystrom_top_eigenvectors(s, o, rank).T.float().cpu() for s, o in pairs]
 
 
 class Recorder:
@@ -48,11 +85,17 @@ class Recorder:
 class ResidualAdapters:
     """One rank-r residual adapter per block, kept in float32 on the block's device."""
 
-    def __init__(self, parts: ModelParts, rank: int = 32, seed: int = 0):
+    def __init__(self, parts: ModelParts, rank: int = 32, seed: int = 0, a: list[Tensor] | None = None):
+        """``a``: the A matrices (r×d each, e.g. from :func:`principal_a`); default: random from
+        ``seed``."""
         self.parts, self.rank, self.seed = parts, rank, seed
         d = parts.hidden_size
         self.devices = parts.block_devices()
-        self.A = [adapter_a(seed, i, rank, d).to(dev) for i, dev in enumerate(self.devices)]
+        if a is None:
+            a = [adapter_a(seed, i, rank, d) for i in range(parts.num_blocks)]
+        if len(a) != parts.num_blocks or any(x.shape != (rank, d) for x in a):
+            raise ValueError(f"expected {parts.num_blocks} A matrices of shape ({rank}, {d})")
+        self.A = [x.to(dev, torch.float32) for x, dev in zip(a, self.devices, strict=True)]
         self.B = [torch.zeros(d, rank, dtype=torch.float32, device=dev) for dev in self.devices]
         self._handles: list = []
         self._recorder: Recorder | None = None
@@ -109,10 +152,11 @@ class ResidualAdapters:
         holds the B tensor itself, so its identity cannot be reused by another tensor."""
         b = self.B[layer]
         cached = self._derived.get(layer)
-        if cached is None or cached[0] is not b or cached[1] != (b._version, dtype):
+        key = (b._version, dtype, torch.is_inference_mode_enabled())  # an inference-mode cast
+        if cached is None or cached[0] is not b or cached[1] != key:  # cannot enter autograd
             zero = self._zero.get(layer)
             active = zero is None or zero[0] is not b or zero[1] != b._version
-            cached = (b, (b._version, dtype), active, self.A[layer].T.to(dtype), b.T.to(dtype))
+            cached = (b, key, active, self.A[layer].T.to(dtype), b.T.to(dtype))
             self._derived[layer] = cached
         return cached[2], cached[3], cached[4]
 
@@ -176,12 +220,15 @@ class ResidualAdapters:
         }
 
     def save_pretrained(self, directory: str | Path, extra: dict | None = None) -> Path:
-        """Write ``adapter_model.safetensors`` (the B matrices) and ``adapter_config.json``.
+        """Write ``adapter_model.safetensors`` (A and B of every block) and ``adapter_config.json``.
 
-        A is not stored: it is rebuilt from the seed. The write is atomic.
+        A is stored (r×d per block, small), so a loaded adapter never depends on a random
+        generator's stream. The write is atomic.
         """
+        tensors = {f"B.{i}": b.contiguous() for i, b in enumerate(self.get_b())}
+        tensors.update({f"A.{i}": a.detach().cpu().contiguous() for i, a in enumerate(self.A)})
         with atomic_dir(directory) as tmp:
-            save_file({f"B.{i}": b.contiguous() for i, b in enumerate(self.get_b())}, tmp / ADAPTER_WEIGHTS)
+            save_file(tensors, tmp / ADAPTER_WEIGHTS)
             atomic_write_json(tmp / ADAPTER_CONFIG, {**self.config(), **(extra or {})})
         return Path(directory)
 
@@ -194,8 +241,9 @@ class ResidualAdapters:
             raise FileNotFoundError(f"{cfg_path} not found: not a LoCA adapter folder")
         cfg = json.loads(cfg_path.read_text())
         check_fingerprint(cfg.get("fingerprint"), fingerprint(parts), str(directory))
-        adapters = cls(parts, rank=int(cfg["rank"]), seed=int(cfg["seed"]))
         tensors = load_file(directory / ADAPTER_WEIGHTS)
+        stored_a = [tensors[f"A.{i}"] for i in range(parts.num_blocks)] if "A.0" in tensors else None
+        adapters = cls(parts, rank=int(cfg["rank"]), seed=int(cfg["seed"]), a=stored_a)
         adapters.set_b([tensors[f"B.{i}"] for i in range(parts.num_blocks)])
         return adapters
 

@@ -204,15 +204,41 @@ def calibrate(
     return maps.to_blocks(parts)
 
 
-def calibrate_with_config(
-    parts: ModelParts, train: Sequence[Encoded], heldout: Sequence[Encoded], cfg, pad_id: int
-) -> FeedbackMaps:
-    """Stage I as a run does it (``cfg`` a :class:`loca.config.LocaConfig`): a seeded probe of
-    ``probe_positions`` predict positions from ``train``, and the held-out alignment diagnostic on
-    a quarter as many from ``heldout`` (seed + 1)."""
-    probe = select_probe(train, cfg.probe_positions, cfg.seed)
-    heldout_probe = select_probe(heldout, max(1, cfg.probe_positions // 4), cfg.seed + 1) if heldout else []
-    return calibrate(
-        parts, probe, heldout_probe, rank=cfg.feedback_rank, beta_rel=cfg.beta_rel,
-        micro_batch=cfg.probe_micro_batch, pad_id=pad_id, seed=cfg.seed,
-    )  # fmt: skip
+class Calibrator:
+    """Stage I bound to one run's data and :class:`loca.config.LocaConfig`: a seeded probe of
+    ``probe_positions`` predict positions from the training items, and a held-out probe a quarter
+    that size (seed + 1) for the alignment diagnostic.
+
+    :meth:`calibrate` fits the maps at the model's current state, adapters included, so the
+    same object serves the first calibration and any re-calibration during a fit."""
+
+    def __init__(self, parts: ModelParts, train: Sequence[Encoded], heldout: Sequence[Encoded], cfg,
+                 pad_id: int):  # fmt: skip
+        self.parts, self.cfg, self.pad_id = parts, cfg, pad_id
+        self.probe = select_probe(train, cfg.probe_positions, cfg.seed)
+        self.heldout_probe = (
+            select_probe(heldout, max(1, cfg.probe_positions // 4), cfg.seed + 1) if heldout else []
+        )
+
+    def calibrate(self) -> FeedbackMaps:
+        cfg = self.cfg
+        return calibrate(
+            self.parts, self.probe, self.heldout_probe, rank=cfg.feedback_rank, beta_rel=cfg.beta_rel,
+            micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id, seed=cfg.seed,
+        )  # fmt: skip
+
+    def heldout_alignment(self, maps: FeedbackMaps) -> list[float]:
+        """Per-block alignment of ``maps`` with the true gradients on the held-out probe at the
+        model's current state (one probe backward; a diagnostic)."""
+        if not self.heldout_probe:
+            raise ValueError("no held-out probe: the alignment diagnostic needs held-out items")
+        was_training = self.parts.model.training
+        self.parts.model.eval()
+        try:
+            err, grads = probe_gradients(
+                self.parts, self.heldout_probe, self.cfg.probe_micro_batch, self.pad_id
+            )
+        finally:
+            self.parts.model.train(was_training)
+        pairs = zip(maps.factors, grads, strict=True)
+        return [alignment(f, err.to(f.v.device), g.to(f.v.device)) for f, g in pairs]

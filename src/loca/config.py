@@ -28,8 +28,37 @@ class LocaConfig:
         "target step: 'rms' = η relative to the residual stream (η·RMS(h)/RMS(F e) per block and "
         "batch); 'absolute' = η as an absolute step (the paper's unnormalised ablation)",
     )
-    max_iters: int = option(40, "maximum number of outer iterations T_max")
-    patience: int = option(3, "stop a trajectory after this many iterations without held-out improvement")
+    step_control: str = option(
+        "fixed",
+        "'fixed' = one trajectory per η candidate, each at its fixed η (the paper); 'adaptive' = one "
+        "trajectory that starts at the first η, grows η by eta_grow after every step that lowers "
+        "the held-out CE and, after a step that does not, restores B and retries with η·eta_shrink "
+        "on the same training statistics (no new training pass)",
+    )
+    eta_grow: float = option(1.5, "adaptive control: η factor after an accepted step (≥ 1)")
+    eta_shrink: float = option(0.5, "adaptive control: η factor after a rejected step (< 1)")
+    a_init: str = option(
+        "random",
+        "the fixed down-projection A: 'random' = N(0, 1/d) from (seed, block); 'principal' = the "
+        "top-r principal directions of each block's input at the predict positions (one extra "
+        "forward pass over the training data, streamed as a Nyström sketch)",
+    )
+    recalibrate_every: int = option(
+        0,
+        "adaptive control: refit the feedback maps at the current adapters after every this many "
+        "accepted steps (0 = never; each refit costs one probe backward pass, so the fit is no "
+        "longer forward-only)",
+    )
+    alignment_every: int = option(
+        0,
+        "diagnostic: every this many iterations, measure the maps' alignment with the true "
+        "gradients on the held-out probe at the best adapters so far (one probe backward each; "
+        "0 = never; changes no result)",
+    )
+    max_iters: int = option(40, "maximum number of outer iterations T_max (adaptive: of steps tried)")
+    patience: int = option(
+        3, "stop a trajectory after this many iterations (adaptive: tries) without held-out improvement"
+    )
     groups: int = option(1, "Gauss–Seidel groups: 1 = Jacobi, num_blocks = full Gauss–Seidel")
     probe_positions: int = option(1000, "minimum number of predict positions in the calibration probe")
     probe_micro_batch: int = option(8, "sequences per probe micro-batch (bounds the probe's peak memory)")
@@ -48,6 +77,13 @@ class LocaConfig:
             "lam_rel": bool(self.lam_rel) and all(x > 0 for x in self.lam_rel),
             "etas": bool(self.etas) and all(x > 0 for x in self.etas),
             "step_scale": self.step_scale in ("rms", "absolute"),
+            "step_control": self.step_control in ("fixed", "adaptive"),
+            "eta_grow": self.eta_grow >= 1,
+            "eta_shrink": 0 < self.eta_shrink < 1,
+            "a_init": self.a_init in ("random", "principal"),
+            "recalibrate_every": self.recalibrate_every >= 0
+            and (self.recalibrate_every == 0 or self.step_control == "adaptive"),
+            "alignment_every": self.alignment_every >= 0,
             "max_iters": self.max_iters >= 0,
             "patience": self.patience >= 1,
             "groups": self.groups >= 1,
@@ -66,9 +102,28 @@ class LocaConfig:
         return asdict(self)
 
     @classmethod
+    def preset(cls, name: str, **overrides) -> LocaConfig:
+        """A named configuration (see :data:`PRESETS`) with ``overrides`` on top."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
     def from_dict(cls, d: dict) -> LocaConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown LocaConfig keys: {sorted(unknown)}")
         return cls(**d)
+
+
+# Named configurations. "paper" is the method as the paper states it (random A, fixed-η
+# trajectories, one calibration); it stays reproducible whatever the defaults become.
+PRESETS: dict[str, dict] = {
+    "paper": dict(
+        rank=32, feedback_rank=8, beta_rel=1e-3, lam_rel=[1e-3], etas=[0.003, 0.01, 0.03],
+        step_scale="rms", step_control="fixed", a_init="random", recalibrate_every=0,
+        max_iters=40, patience=3, groups=1, probe_positions=1000,
+    ),  # fmt: skip
+    "default": {},
+}

@@ -4,6 +4,12 @@ Each outer iteration is one inference-mode forward pass over the training data p
 group (one pass in total for the default Jacobi schedule). During the pass every block records
 ``p = A h_{l-1}`` at the predict positions; after it, the head error ``e`` gives the local targets
 through the feedback maps. Only ``G = Σ p pᵀ`` (r×r) and ``Σ s·Y P`` (k×r) persist per block.
+
+Two step controls select η (``LocaConfig.step_control``): ``fixed`` runs one trajectory per η
+candidate (the paper); ``adaptive`` runs one trajectory whose η grows after every step that lowers
+the held-out CE and shrinks, with B restored, after one that does not. The new B is linear in η
+given a pass's statistics, so a rejected step is retried on the same statistics: it costs a
+held-out pass, not a training pass.
 """
 
 from __future__ import annotations
@@ -16,15 +22,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .adapters import Recorder, ResidualAdapters
-from .calibrate import FeedbackMaps
+from .adapters import Recorder, ResidualAdapters, principal_a
+from .calibrate import Calibrator, FeedbackMaps
+from .config import LocaConfig
 from .data.batching import Batch
 from .head import head_loss_and_error
 from .metrics import TokenCE, completion_ce
 from .models import ModelParts
 from .ridge import BlockStats, NonFiniteStatisticsError, solve_block
-
-STEP_SCALES = ("rms", "absolute")
 
 
 def block_groups(num_blocks: int, groups: int) -> list[list[int]]:
@@ -88,7 +93,7 @@ def collect_statistics(
 
 @dataclass
 class Trajectory:
-    """One (η, λ) candidate's state."""
+    """One candidate's state: its step size, ridge, current B and best held-out CE."""
 
     eta: float
     lam_rel: float
@@ -96,6 +101,8 @@ class Trajectory:
     best_ce: float
     since_best: int = 0
     stopped: str | None = None
+    stats0: tuple[dict[int, BlockStats], TokenCE] | None = None  # first group's pass at b
+    accepted: int = 0
 
 
 @dataclass
@@ -112,6 +119,8 @@ class FitResult:
     history: list[dict] = field(default_factory=list)
     stop_reasons: dict[str, str] = field(default_factory=dict)
     wall_time_s: float = 0.0
+    recalibrations: int = 0
+    recalibration_time_s: float = 0.0
 
     def summary(self) -> dict:
         return {
@@ -124,7 +133,83 @@ class FitResult:
             "b_norm": self.adapters.norm(),
             "stop_reasons": self.stop_reasons,
             "wall_time_s": self.wall_time_s,
+            "recalibrations": self.recalibrations,
+            "recalibration_time_s": self.recalibration_time_s,
         }
+
+
+class _Fit:
+    """The state one :func:`fit` call shares between its candidates."""
+
+    def __init__(self, parts, maps, train, heldout, cfg, adapters, calibrator, on_iteration, on_improve):
+        self.parts, self.maps, self.train, self.heldout, self.cfg = parts, maps, train, heldout, cfg
+        self.adapters, self.calibrator = adapters, calibrator
+        self.on_iteration, self.on_improve = on_iteration, on_improve
+        self.groups = block_groups(parts.num_blocks, cfg.groups)
+        self.history: list[dict] = []
+        self.start = time.perf_counter()
+        self.recalibrations, self.recalibration_s = 0, 0.0
+
+    def log(self, row: dict) -> None:
+        row["elapsed_s"] = time.perf_counter() - self.start
+        self.history.append(row)
+        if self.on_iteration:
+            self.on_iteration(row)
+
+    def heldout_ce(self) -> float:
+        ce = completion_ce(self.parts, self.heldout).mean
+        if not math.isfinite(ce):
+            raise NonFiniteStatisticsError(f"held-out CE became {ce}")
+        return ce
+
+    def step(self, traj: Trajectory, eta: float) -> tuple[float, float]:
+        """One Gauss–Seidel sweep from ``traj.b`` with step ``eta``; leaves the adapters at the new
+        B and returns ``(training CE at traj.b, held-out CE at the new B)``. The first group's
+        statistics are cached on the trajectory: they depend on ``traj.b`` only, not on η."""
+        self.adapters.set_b(traj.b)
+        train_ce = math.nan
+        for gi, blocks in enumerate(self.groups):
+            if gi == 0 and traj.stats0 is not None:
+                stats, ce = traj.stats0
+            else:
+                stats, ce = collect_statistics(
+                    self.parts, self.adapters, self.maps, self.train, blocks, self.cfg.step_scale
+                )
+                if gi == 0:
+                    traj.stats0 = (stats, ce)
+            if gi == 0:
+                train_ce = ce.mean
+            for l in blocks:
+                us = self.maps.factors[l].us
+                self.adapters.B[l] = solve_block(self.adapters.B[l], stats[l], us, eta, traj.lam_rel)
+        return train_ce, self.heldout_ce()
+
+    def row(self, it: int, traj: Trajectory, eta: float, train_ce: float, ce: float, t0: float) -> dict:
+        return {
+            "iteration": it,
+            "eta": eta,
+            "lam_rel": traj.lam_rel,
+            "heldout_ce": ce,
+            "train_ce": train_ce,
+            "b_norm": self.adapters.norm(),
+            "time_s": time.perf_counter() - t0,
+        }
+
+    def recalibrate(self, b: list[torch.Tensor]) -> None:
+        """Refit the maps at adapters ``b`` (one probe backward pass)."""
+        t0 = time.perf_counter()
+        self.adapters.set_b(b)
+        self.maps = self.calibrator.calibrate()
+        self.recalibrations += 1
+        self.recalibration_s += time.perf_counter() - t0
+
+    def alignment(self, b: list[torch.Tensor], it: int) -> None:
+        """The diagnostic: the current maps' held-out alignment at adapters ``b``."""
+        t0 = time.perf_counter()
+        self.adapters.set_b(b)
+        per_block = self.calibrator.heldout_alignment(self.maps)
+        self.log({"iteration": it, "diagnostic": "heldout_alignment", "alignment": per_block,
+                  "median": sorted(per_block)[len(per_block) // 2], "time_s": time.perf_counter() - t0})
 
 
 def fit(
@@ -132,15 +217,9 @@ def fit(
     maps: FeedbackMaps,
     train: Sequence[Batch],
     heldout: Sequence[Batch],
+    cfg: LocaConfig | None = None,
     *,
-    rank: int = 32,
-    seed: int = 0,
-    etas: Sequence[float] = (0.003, 0.01, 0.03),
-    lam_rels: Sequence[float] = (1e-3,),
-    max_iters: int = 40,
-    patience: int = 3,
-    groups: int = 1,
-    step_scale: str = "rms",
+    calibrator: Calibrator | None = None,
     on_iteration: Callable[[dict], None] | None = None,
     on_improve: Callable[[ResidualAdapters, dict], None] | None = None,
     adapters: ResidualAdapters | None = None,
@@ -148,110 +227,102 @@ def fit(
 ) -> FitResult:
     """Fit the adapters forward-only and select (η, λ, iteration) by held-out CE.
 
-    Every (η, λ) candidate runs its own trajectory; all start from B = 0, so the statistics of their
-    first pass are shared. The best snapshot over all candidates and iterations (the frozen model,
-    t = 0, included) is restored in a ``finally`` block: an error, a non-finite statistic or an
-    interrupt never leaves a half-updated model. ``on_improve`` is called with the adapters set to
-    each new best (e.g. to save it), ``on_iteration`` with each history row. Pass ``adapters`` to
-    fit (and keep a handle on) an existing set; they are reset to B = 0 first. ``step_scale``
-    "rms" makes η a relative step (scaled per block and batch by RMS(h)/RMS(F e)); "absolute" uses
-    η as an absolute step (the paper's unnormalised ablation).
+    ``cfg`` (default :class:`LocaConfig()`) gives every hyper-parameter; ``calibrator`` is needed
+    only for re-calibration and the alignment diagnostic. The best snapshot over all candidates and
+    iterations (the frozen model, t = 0, included) is restored in a ``finally`` block: an error, a
+    non-finite statistic or an interrupt never leaves a half-updated model. ``on_improve`` is
+    called with the adapters set to each new best (e.g. to save it), ``on_iteration`` with each
+    history row. Pass ``adapters`` to fit (and keep a handle on) an existing set (its A is kept);
+    they are reset to B = 0 first.
     """
-    if step_scale not in STEP_SCALES:
-        raise ValueError(f"step_scale must be one of {STEP_SCALES}, got {step_scale!r}")
+    cfg = cfg or LocaConfig()
     if not train:
         raise ValueError("the training set is empty")
     if not heldout:
         raise ValueError("the held-out set is empty")
     if maps.fingerprint["num_blocks"] != parts.num_blocks or maps.factors[0].v.shape[0] != parts.hidden_size:
         raise ValueError("the feedback maps do not match this model's blocks")
+    if (cfg.recalibrate_every or cfg.alignment_every) and calibrator is None:
+        raise ValueError("recalibrate_every and alignment_every need a Calibrator (fit(..., calibrator=))")
     start = time.perf_counter()
     if adapters is None:
-        adapters = ResidualAdapters(parts, rank=rank, seed=seed)
+        a = principal_a(parts, train, cfg.rank, cfg.seed) if cfg.a_init == "principal" else None
+        adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed, a=a)
     adapters.attach().reset()
+    state = _Fit(parts, maps, train, heldout, cfg, adapters, calibrator, on_iteration, on_improve)
+    state.start = start
     zero = adapters.get_b()
-    group_list = block_groups(parts.num_blocks, groups)
-    history: list[dict] = []
-
-    def log(row: dict) -> None:
-        row["elapsed_s"] = time.perf_counter() - start
-        history.append(row)
-        if on_iteration:
-            on_iteration(row)
-
     frozen_ce = completion_ce(parts, heldout).mean
     if not math.isfinite(frozen_ce):
         adapters.detach()
         raise NonFiniteStatisticsError(f"the frozen model's held-out CE is {frozen_ce}")
-    log(
-        {
-            "iteration": 0,
-            "eta": None,
-            "lam_rel": None,
-            "heldout_ce": frozen_ce,
-            "train_ce": None,
-            "b_norm": 0.0,
-        }
-    )
+    state.log({"iteration": 0, "eta": None, "lam_rel": None, "heldout_ce": frozen_ce, "train_ce": None,
+               "b_norm": 0.0})  # fmt: skip
     best = {"ce": frozen_ce, "b": zero, "eta": None, "lam_rel": None, "iteration": 0}
-    trajectories = [Trajectory(eta, lam, zero, frozen_ce) for eta in etas for lam in lam_rels]
-    shared: tuple[dict[int, BlockStats], TokenCE] | None = None
-    bar = tqdm(range(1, max_iters + 1), desc="LoCA", unit="it", disable=not progress)
+
+    def consider(traj: Trajectory, eta: float, row: dict, b: list[torch.Tensor]) -> None:
+        nonlocal best
+        if row["heldout_ce"] < best["ce"]:
+            best = {"ce": row["heldout_ce"], "b": b, "eta": eta, "lam_rel": traj.lam_rel,
+                    "iteration": row["iteration"]}  # fmt: skip
+            if on_improve:
+                on_improve(adapters, row)
+
+    if cfg.step_control == "fixed":
+        trajectories = [Trajectory(eta, lam, zero, frozen_ce) for eta in cfg.etas for lam in cfg.lam_rel]
+    else:
+        trajectories = [Trajectory(cfg.etas[0], lam, zero, frozen_ce) for lam in cfg.lam_rel]
+    shared: dict = {}  # every trajectory starts from B = 0: the first pass's statistics are shared
+    bar = tqdm(range(1, cfg.max_iters + 1), desc="LoCA", unit="it", disable=not progress)
     try:
         for it in bar:
             for traj in trajectories:
                 if traj.stopped:
                     continue
+                if traj.b is zero and traj.stats0 is None and state.maps is maps:
+                    traj.stats0 = shared.get("zero")
                 t0 = time.perf_counter()
-                adapters.set_b(traj.b)
-                train_ce = None
                 try:
-                    for gi, blocks in enumerate(group_list):
-                        if it == 1 and gi == 0:  # every trajectory starts from B = 0: share the pass
-                            shared = shared or collect_statistics(
-                                parts, adapters, maps, train, blocks, step_scale
-                            )
-                            stats, ce = shared
-                        else:
-                            stats, ce = collect_statistics(parts, adapters, maps, train, blocks, step_scale)
-                        if gi == 0:
-                            train_ce = ce.mean
-                        for l in blocks:
-                            us = maps.factors[l].us
-                            adapters.B[l] = solve_block(adapters.B[l], stats[l], us, traj.eta, traj.lam_rel)
-                    ce_now = completion_ce(parts, heldout).mean
-                    if not math.isfinite(ce_now):
-                        raise NonFiniteStatisticsError(f"held-out CE became {ce_now}")
+                    train_ce, ce = state.step(traj, traj.eta)
                 except NonFiniteStatisticsError as exc:
-                    traj.stopped = f"non-finite at iteration {it}: {exc}"
-                    continue
-                traj.b = adapters.get_b()
-                row = {
-                    "iteration": it,
-                    "eta": traj.eta,
-                    "lam_rel": traj.lam_rel,
-                    "heldout_ce": ce_now,
-                    "train_ce": train_ce,
-                    "b_norm": adapters.norm(),
-                    "time_s": time.perf_counter() - t0,
-                }
-                log(row)
-                if ce_now < traj.best_ce:
-                    traj.best_ce, traj.since_best = ce_now, 0
-                else:
+                    if cfg.step_control == "fixed":
+                        traj.stopped = f"non-finite at iteration {it}: {exc}"
+                        continue
+                    train_ce, ce = math.nan, math.inf  # adaptive: a rejected step
+                if traj.b is zero and state.maps is maps:
+                    shared.setdefault("zero", traj.stats0)
+                row = state.row(it, traj, traj.eta, train_ce, ce, t0)
+                improved = ce < traj.best_ce
+                if cfg.step_control == "adaptive":
+                    row["accepted"] = improved
+                    if not math.isfinite(ce):
+                        row["heldout_ce"] = None
+                state.log(row)
+                if cfg.step_control == "fixed":
+                    traj.b, traj.stats0 = adapters.get_b(), None
+                    consider(traj, traj.eta, row, traj.b)
+                    if improved:
+                        traj.best_ce, traj.since_best = ce, 0
+                    else:
+                        traj.since_best += 1
+                elif improved:  # adaptive: accept, grow η, new statistics at the new B next time
+                    new_b = adapters.get_b()
+                    consider(traj, traj.eta, row, new_b)
+                    traj.b, traj.stats0, traj.best_ce, traj.since_best = new_b, None, ce, 0
+                    traj.eta *= cfg.eta_grow
+                    traj.accepted += 1
+                    due = cfg.recalibrate_every and traj.accepted % cfg.recalibrate_every == 0
+                    if due and it < cfg.max_iters:
+                        state.recalibrate(traj.b)
+                        for other in trajectories:
+                            other.stats0 = None  # statistics of the old maps
+                else:  # adaptive: reject, B stays (restored by the next step's set_b), shrink η
+                    traj.eta *= cfg.eta_shrink
                     traj.since_best += 1
-                    if traj.since_best >= patience:
-                        traj.stopped = f"patience ({patience}) at iteration {it}"
-                if ce_now < best["ce"]:
-                    best = {
-                        "ce": ce_now,
-                        "b": traj.b,
-                        "eta": traj.eta,
-                        "lam_rel": traj.lam_rel,
-                        "iteration": it,
-                    }
-                    if on_improve:
-                        on_improve(adapters, row)
+                if traj.since_best >= cfg.patience:
+                    traj.stopped = f"patience ({cfg.patience}) at iteration {it}"
+            if cfg.alignment_every and it % cfg.alignment_every == 0:
+                state.alignment(best["b"], it)
             bar.set_postfix(heldout_ce=f"{best['ce']:.4f}", best_it=best["iteration"])
             if all(t.stopped for t in trajectories):
                 break
@@ -259,7 +330,11 @@ def fit(
         bar.close()
         adapters.set_b(best["b"])
     for t in trajectories:
-        t.stopped = t.stopped or f"max_iters ({max_iters})"
+        t.stopped = t.stopped or f"max_iters ({cfg.max_iters})"
+    if cfg.step_control == "fixed":
+        reasons = {f"eta={t.eta:g},lam_rel={t.lam_rel:g}": t.stopped for t in trajectories}
+    else:
+        reasons = {f"adaptive,lam_rel={t.lam_rel:g}": t.stopped for t in trajectories}
     return FitResult(
         adapters=adapters,
         frozen_heldout_ce=frozen_ce,
@@ -268,7 +343,9 @@ def fit(
         lam_rel=best["lam_rel"],
         best_iteration=best["iteration"],
         improved=best["iteration"] > 0,
-        history=history,
-        stop_reasons={f"eta={t.eta:g},lam_rel={t.lam_rel:g}": t.stopped for t in trajectories},
+        history=state.history,
+        stop_reasons=reasons,
         wall_time_s=time.perf_counter() - start,
+        recalibrations=state.recalibrations,
+        recalibration_time_s=state.recalibration_s,
     )

@@ -178,3 +178,23 @@ def solve_block(b: Tensor, stats: BlockStats, us: Tensor, eta: float, lam_rel: f
     new_b = torch.cholesky_solve(c.T, factor).T
     _check_finite("adapter solve", new_b)
     return new_b.to(b.dtype)
+
+
+def nystrom_top_eigenvectors(sketch: Tensor, omega: Tensor, rank: int) -> Tensor:
+    """The top-``rank`` eigenvectors (d×rank, orthonormal columns) of a PSD matrix ``M`` known only
+    through the streamed sketch ``Y = M Ω`` and its test matrix ``Ω`` (d×m, m ≥ rank).
+
+    The stabilised Nyström approximation ``M ≈ Y (ΩᵀY)⁻¹ Yᵀ`` (Tropp et al., 2017, Alg. 3): a shift
+    ``ν`` keeps ``ΩᵀY`` positive definite, so one pass over the data suffices."""
+    y = sketch.to(torch.float64)
+    omega = omega.to(y)
+    if rank > y.shape[1]:
+        raise ValueError(f"rank {rank} exceeds the sketch width {y.shape[1]}")
+    _check_finite("principal-direction sketch", y)
+    nu = torch.finfo(torch.float64).eps * max(float(torch.linalg.matrix_norm(y)), 1e-300) * y.shape[0]
+    y_nu = y + nu * omega
+    core = omega.T @ y_nu
+    factor = _cholesky((core + core.T) / 2, "the Nyström core ΩᵀMΩ")
+    e = torch.linalg.solve_triangular(factor, y_nu.T, upper=False).T  # Y_ν L⁻ᵀ
+    u, _, _ = torch.linalg.svd(e, full_matrices=False)
+    return u[:, :rank]

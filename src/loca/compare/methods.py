@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..baselines.common import HeldoutSelector, MethodResult
-from ..calibrate import calibrate_with_config
+from ..calibrate import Calibrator
 from ..config import LocaConfig
 from ..data import Batch, Encoded, Splits, Task
 from ..fit import fit
@@ -53,13 +53,11 @@ def run_loca(cell: CellData, cfg: LocaConfig, method: str = "loca") -> Outcome:
 
     Times count from the start of calibration, so LoCA's wall time includes Stage I."""
     start = time.perf_counter()
-    maps = calibrate_with_config(cell.parts, cell.train_items, cell.heldout_items, cfg, cell.pad_id)
+    calibrator = Calibrator(cell.parts, cell.train_items, cell.heldout_items, cfg, cell.pad_id)
+    maps = calibrator.calibrate()
     calib_s = time.perf_counter() - start
-    res = fit(
-        cell.parts, maps, cell.train, cell.heldout, rank=cfg.rank, seed=cfg.seed, etas=cfg.etas,
-        lam_rels=cfg.lam_rel, max_iters=cfg.max_iters, patience=cfg.patience, groups=cfg.groups,
-        step_scale=cfg.step_scale, progress=False,
-    )  # fmt: skip
+    res = fit(cell.parts, maps, cell.train, cell.heldout, cfg, calibrator=calibrator, progress=False)
+    rows = [r for r in res.history if "diagnostic" not in r and r["heldout_ce"] is not None]
     history = [
         {
             "candidate": None if r["eta"] is None else {"eta": r["eta"], "lam_rel": r["lam_rel"]},
@@ -69,7 +67,7 @@ def run_loca(cell: CellData, cfg: LocaConfig, method: str = "loca") -> Outcome:
             "train_ce": r["train_ce"],
             "b_norm": r["b_norm"],
         }
-        for r in res.history
+        for r in rows
     ]
     best = min(history, key=lambda h: h["heldout_ce"])  # the first row at the lowest CE: fit's pick
     result = MethodResult(
@@ -89,6 +87,12 @@ def run_loca(cell: CellData, cfg: LocaConfig, method: str = "loca") -> Outcome:
             "stop_reasons": res.stop_reasons,
             "b_norm": res.adapters.norm(),
             "step_scale": cfg.step_scale,
+            "recalibrations": res.recalibrations,
+            "recalibration_time_s": res.recalibration_time_s,
+            "alignment_during_fit": [
+                {"iteration": r["iteration"], "median": r["median"], "per_block": r["alignment"]}
+                for r in res.history if r.get("diagnostic") == "heldout_alignment"
+            ],
         },
     )
     return result, res.adapters.detach

@@ -57,9 +57,21 @@ def rows_from_cells(cells: list[dict]) -> list[dict]:
             row["R_CE"] = recovery_ce(f["test_ce"], test["test_ce"], lo["test_ce"])
             row["R_acc"] = recovery_acc(f["acc"], test["acc"], lo["acc"])
         rows.append(row)
-    order = {m: i for i, m in enumerate(METHODS)}
-    rows.sort(key=lambda r: (r["task"], r["seed"], order.get(r["method"], 99)))
+    rows.sort(key=lambda r: (r["task"], r["seed"], _order(r["method"]), r["method"]))
     return rows
+
+
+def _order(method: str) -> float:
+    """METHODS order; a LoCA variant (loca@NAME) right after LoCA."""
+    if method.startswith("loca@"):
+        return METHODS.index("loca") + 0.5
+    return METHODS.index(method) if method in METHODS else len(METHODS)
+
+
+def variants(rows: list[dict]) -> list[str]:
+    """LoCA and its variants present in ``rows``, LoCA first."""
+    names = sorted({r["method"] for r in rows if r["method"].startswith("loca@")})
+    return (["loca"] if any(r["method"] == "loca" for r in rows) else []) + names
 
 
 def _mean_spread(values: list[float]) -> tuple[float, float, int]:
@@ -95,22 +107,29 @@ def summarize(rows: list[dict]) -> dict:
         per_task[task][method] = agg
     summary: dict = {"per_task": per_task}
     if any("loca" in m and "lora" in m for m in per_task.values()):
-        tasks = [t for t, m in per_task.items() if "loca" in m and "lora" in m and "frozen" in m]
-        ce = {t: per_task[t]["loca"]["test_ce"]["mean"] for t in tasks}
-        summary["loca_vs_lora"] = {
-            "tasks": tasks,
-            "loca_ce_below_lora": sum(ce[t] < per_task[t]["lora"]["test_ce"]["mean"] for t in tasks),
-            "loca_ce_below_frozen": sum(ce[t] < per_task[t]["frozen"]["test_ce"]["mean"] for t in tasks),
-            "loca_acc_not_below_frozen": sum(
-                per_task[t]["loca"]["acc"]["mean"] >= per_task[t]["frozen"]["acc"]["mean"] for t in tasks
-            ),
-            "median_R_CE": _median([r["R_CE"] for r in rows if r["method"] == "loca"]),
-            "median_R_acc": _median([r["R_acc"] for r in rows if r["method"] == "loca"]),
-            "loca_wall_over_lora_wall": _median(
-                [_wall(per_task[t], "loca") / _wall(per_task[t], "lora") for t in tasks]
-            ),
-        }
+        summary["loca_vs_lora"] = versus_lora(per_task, rows, "loca")
+    extra = [v for v in variants(rows) if v != "loca"]
+    if extra:
+        summary["variants_vs_lora"] = {v: versus_lora(per_task, rows, v) for v in extra}
     return summary
+
+
+def versus_lora(per_task: dict, rows: list[dict], method: str) -> dict:
+    """The headline counts of one LoCA configuration against LoRA and the frozen model, over the
+    tasks where all three ran."""
+    tasks = [t for t, m in per_task.items() if method in m and "lora" in m and "frozen" in m]
+    mean = lambda t, m, k: per_task[t][m][k]["mean"]  # noqa: E731
+    return {
+        "tasks": tasks,
+        "loca_ce_below_lora": sum(mean(t, method, "test_ce") < mean(t, "lora", "test_ce") for t in tasks),
+        "loca_ce_below_frozen": sum(mean(t, method, "test_ce") < mean(t, "frozen", "test_ce") for t in tasks),
+        "loca_acc_not_below_frozen": sum(mean(t, method, "acc") >= mean(t, "frozen", "acc") for t in tasks),
+        "median_R_CE": _median([r["R_CE"] for r in rows if r["method"] == method]),
+        "median_R_acc": _median([r["R_acc"] for r in rows if r["method"] == method]),
+        "loca_wall_over_lora_wall": _median(
+            [_wall(per_task[t], method) / _wall(per_task[t], "lora") for t in tasks]
+        ),
+    }
 
 
 def _wall(methods: dict, method: str) -> float:
@@ -188,7 +207,54 @@ def table_markdown(rows: list[dict]) -> str:
     for t in tasks:
         vals = [_fmt([r["peak_memory_mb"] for r in cell[(t, m)]], 0).split(" ±")[0] for m in methods]
         lines.append(f"| {t} | " + " | ".join(vals) + " |")
+    if any(v != "loca" for v in variants(rows)):
+        lines.extend(["", *variants_markdown(rows)])
     return "\n".join(lines) + "\n"
+
+
+def variants_markdown(rows: list[dict]) -> list[str]:
+    """LoCA's configurations side by side (an ablation): held-out CE, which selects, then test
+    CE and accuracy with their recovery ratios against LoRA, and wall time."""
+    names = variants(rows)
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    cell = defaultdict(list)
+    for r in rows:
+        cell[(r["task"], r["method"])].append(r)
+    mean = lambda t, m, k: _mean_spread([r[k] for r in cell[(t, m)]])[0]  # noqa: E731
+    lines = ["## LoCA configurations (loca = this run's LoCA flags; loca@NAME = a variant)", ""]
+
+    def table(title: str, metric: str, digits: int, extra: list[tuple[str, object]]) -> None:
+        lines.extend([f"### {title}", "", "| configuration | " + " | ".join(tasks) + "".join(
+            f" | {h}" for h, _ in extra) + " |", "|---|" + "---|" * (len(tasks) + len(extra))])  # fmt: skip
+        for m in names:
+            vals = [_fmt([r[metric] for r in cell[(t, m)]], digits) for t in tasks]
+            vals += [f(m) for _, f in extra]
+            lines.append(f"| {m} | " + " | ".join(vals) + " |")
+        for ref in ("frozen", "lora"):
+            if any(cell[(t, ref)] for t in tasks):
+                vals = [_fmt([r[metric] for r in cell[(t, ref)]], digits) for t in tasks]
+                lines.append(f"| *{LABELS[ref]}* | " + " | ".join(vals) + " |" + " |" * len(extra))
+        lines.append("")
+
+    def med(key):
+        def f(m):
+            v = _median([r[key] for r in rows if r["method"] == m])
+            return "–" if v is None else f"{v:.2f}"
+
+        return f
+
+    def below_lora(m):
+        ts = [t for t in tasks if cell[(t, m)] and cell[(t, "lora")]]
+        return f"{sum(mean(t, m, 'test_ce') < mean(t, 'lora', 'test_ce') for t in ts)}/{len(ts)}"
+
+    table("Held-out CE of the selected fit (what selection sees)", "heldout_ce", 3, [])
+    table("Test CE per token (answer + EOS)", "test_ce", 3,
+          [("median R_CE", med("R_CE")), ("CE below LoRA", below_lora)])  # fmt: skip
+    table("Test CE per token without EOS", "test_ce_no_eos", 3, [])
+    table("Test accuracy (acc)", "acc", 3, [("median R_acc", med("R_acc"))])
+    table("Fit wall time (s), calibration and selection included", "fit_wall_time_s", 0, [])
+    table("Best iteration", "best_step", 1, [])
+    return lines
 
 
 def write_csv(rows: list[dict]) -> str:

@@ -7,6 +7,7 @@ configuration (:mod:`loca.compare.store`) and reused only when that configuratio
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..bench import PeakMemory
-from ..config import LocaConfig, option
+from ..config import PRESETS, LocaConfig, option
 from ..data import encode_examples, get_task, load_splits, make_batches
 from ..data.batching import pad_token_id
 from ..io import atomic_write_json
@@ -56,6 +57,12 @@ class CompareSettings:
     loca_abs_etas: list[float] = option(
         [1.0, 3.0, 10.0], "absolute step candidates of loca-abs (see docs/compare.md)"
     )
+    loca_variants: str = option(
+        "",
+        "extra LoCA configurations, each run as method loca@NAME: a JSON object "
+        '{"NAME": {"preset": "paper", "beta_rel": 1.0, ...}} (LoCA flags with an optional preset '
+        "applied on top of this run's LoCA flags) or the path of a file holding one",
+    )
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -75,6 +82,36 @@ class CompareSettings:
                                  f"got {self.mezo_time_budget!r}")  # fmt: skip
         if not self.loca_abs_etas or min(self.loca_abs_etas) <= 0:
             raise ValueError("loca_abs_etas must be positive")
+        self.variants()  # fails early on a malformed variant
+
+    def variants(self) -> dict[str, dict]:
+        """The LoCA variants by name (overrides of the LoCA configuration)."""
+        text = self.loca_variants.strip()
+        if not text:
+            return {}
+        if not text.startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except OSError as exc:
+                raise ValueError(f"loca_variants: cannot read {text!r}: {exc}") from exc
+        try:
+            variants = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"loca_variants is not valid JSON: {exc}") from exc
+        if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
+            raise ValueError('loca_variants must map names to objects: {"NAME": {"beta_rel": 1.0}}')
+        for name, over in variants.items():
+            if not name or not all(c.isalnum() or c in "-_." for c in name):
+                raise ValueError(f"loca variant name {name!r}: use letters, digits, '-', '_', '.'")
+            if over.get("preset", "default") not in PRESETS:
+                raise ValueError(f"loca variant {name}: unknown preset {over['preset']!r}")
+            bad = {k for k in over if k != "preset"} - set(LocaConfig().to_dict())
+            if bad:
+                raise ValueError(f"loca variant {name}: unknown LoCA setting(s) {sorted(bad)}")
+            shared = {"max_length", "batch_size", "add_eos"} & set(over)
+            if shared:
+                raise ValueError(f"loca variant {name}: {sorted(shared)} must be the same for every method")
+        return variants
 
 
 @dataclass
@@ -87,10 +124,15 @@ class MethodConfigs:
     mezo: object
 
 
-def _ordered(methods: list[str]) -> list[str]:
-    """Frozen first (every recovery ratio needs it), LoRA next, LoCA before the MeZO methods
-    (their 'auto' time budget is LoCA's wall time)."""
-    return [m for m in METHODS if m in methods or m == "frozen"]
+VARIANT = "loca@"
+
+
+def _ordered(methods: list[str], variants: dict) -> list[str]:
+    """Frozen first (every recovery ratio needs it), LoRA next, LoCA and its variants before the
+    MeZO methods (their 'auto' time budget is LoCA's wall time)."""
+    out = [m for m in METHODS if m in methods or m == "frozen"]
+    at = out.index("loca") + 1 if "loca" in out else len(out)
+    return out[:at] + [VARIANT + name for name in variants] + out[at:]
 
 
 def run_compare(
@@ -141,7 +183,7 @@ def run_compare(
             data: CellData | None = None
             frozen_ce: float | None = None
             loca_wall: float | None = None
-            for method in _ordered(settings.methods):
+            for method in _ordered(settings.methods, settings.variants()):
                 mcfg = _method_config(method, configs, settings, seed, loca_wall)
                 key = {**cell_base, "method": method, "config": mcfg}
                 cell = store.load(task.name, seed, method, key)
@@ -184,6 +226,10 @@ def _method_config(method: str, configs: MethodConfigs, s: CompareSettings, seed
         return replace(configs.loca, seed=seed).to_dict()
     if method == "loca-abs":
         return replace(configs.loca, seed=seed, step_scale="absolute", etas=list(s.loca_abs_etas)).to_dict()
+    if method.startswith(VARIANT):
+        over = dict(s.variants()[method.removeprefix(VARIANT)])
+        preset = PRESETS[over.pop("preset", "default")]
+        return LocaConfig(**{**configs.loca.to_dict(), **preset, **over, "seed": seed}).to_dict()
     if method == "lora":
         return replace(configs.lora, seed=seed).to_dict()
     budget: float | None
@@ -221,7 +267,7 @@ def _run_cell(data: CellData, method: str, mcfg: dict, configs: MethodConfigs, s
     with PeakMemory(data.parts.device) as mem:
         if method == "frozen":
             result, cleanup = run_frozen(data)
-        elif method in ("loca", "loca-abs"):
+        elif method in ("loca", "loca-abs") or method.startswith(VARIANT):
             result, cleanup = run_loca(data, LocaConfig.from_dict(mcfg), method)
         elif method == "lora":
             result, cleanup = run_lora(data, LoraSettings(**mcfg))

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     on_dev = [b.to(dev) for b in batches]
 
     def calib():
-        return run.calibrate(items)
+        return run.calibrator(items).calibrate()
 
     maps = calib()  # stage2 needs maps whether or not calibrate is timed
     adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed)

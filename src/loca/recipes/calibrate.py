@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run = setup_run(args)
-    maps = run.calibrate(run.encode(run.splits.train), run.encode(run.splits.heldout))
+    maps = run.calibrator(run.encode(run.splits.train), run.encode(run.splits.heldout)).calibrate()
     maps.meta.update({"task": run.task.name, "splits": run.splits.record})
     maps.save_pretrained(args.out)
     a = maps.meta["alignment"]

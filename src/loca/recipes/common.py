@@ -7,8 +7,8 @@ import os
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from ..calibrate import FeedbackMaps, calibrate_with_config
-from ..config import LocaConfig
+from ..calibrate import Calibrator
+from ..config import PRESETS, LocaConfig
 from ..data import Batch, Encoded, Splits, Task, encode_examples, get_task, load_splits, make_batches
 from ..data.batching import pad_token_id
 from ..models import ModelParts, find_parts, load_model
@@ -65,10 +65,12 @@ def resolve_data_dir(arg: str | None) -> str | None:
 
 
 def add_dataclass_args(
-    p: argparse.ArgumentParser, cls, *, title: str, prefix: str = "", skip: tuple[str, ...] = ()
-) -> None:
+    p: argparse.ArgumentParser, cls, *, title: str, prefix: str = "", skip: tuple[str, ...] = (),
+    only_given: bool = False,
+) -> argparse._ArgumentGroup:  # fmt: skip
     """One flag per field of the dataclass ``cls`` (``--{prefix}-{field}``), with its help text and
-    default; lists take several values, booleans ``--x/--no-x``."""
+    default; lists take several values, booleans ``--x/--no-x``. With ``only_given`` a flag left
+    out sets nothing (the dataclass or a preset supplies the value)."""
     g = p.add_argument_group(title)
     for f in fields(cls):
         if f.name in skip:
@@ -77,6 +79,8 @@ def add_dataclass_args(
         dest = (f"{prefix.replace('-', '_')}_" if prefix else "") + f.name
         default = f.default if f.default is not MISSING else f.default_factory()
         help_text = f.metadata["help"] + f" (default {default})"
+        if only_given:
+            default = argparse.SUPPRESS
         kind = _field_type(f)
         if kind is bool:
             g.add_argument(flag, dest=dest, default=default, action=argparse.BooleanOptionalAction,
@@ -86,6 +90,7 @@ def add_dataclass_args(
                            help=help_text + "; space- or comma-separated")
         else:
             g.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)
+    return g
 
 
 def _comma_list(kind):
@@ -109,23 +114,28 @@ def _field_type(f):
     raise TypeError(f"no command-line type for field {f.name}: {ann}")
 
 
-def dataclass_from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):
-    """Build ``cls`` from the flags :func:`add_dataclass_args` added (missing fields keep defaults)."""
+def dataclass_from_args(cls, args: argparse.Namespace, prefix: str = "", build: bool = True, **overrides):
+    """Build ``cls`` from the flags :func:`add_dataclass_args` added (missing fields keep defaults);
+    ``build=False`` returns the given values as a dict instead."""
     dest = lambda name: (f"{prefix.replace('-', '_')}_" if prefix else "") + name  # noqa: E731
     values = {f.name: getattr(args, dest(f.name)) for f in fields(cls) if hasattr(args, dest(f.name))}
     for name, value in values.items():  # a list flag's words are lists themselves (comma-separated)
         if isinstance(value, list):
             values[name] = [x for v in value for x in (v if isinstance(v, list) else [v])]
-    return cls(**{**values, **overrides})
+    values = {**values, **overrides}
+    return cls(**values) if build else values
 
 
 def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per LocaConfig field."""
-    add_dataclass_args(p, LocaConfig, title="LoCA hyper-parameters", skip=skip)
+    """``--preset`` and one flag per LocaConfig field (a flag given overrides the preset)."""
+    g = add_dataclass_args(p, LocaConfig, title="LoCA hyper-parameters", skip=skip, only_given=True)
+    g.add_argument("--preset", default="default", choices=sorted(PRESETS),
+                   help="named configuration the flags start from ('paper': the paper's method)")
 
 
 def config_from_args(args: argparse.Namespace) -> LocaConfig:
-    return dataclass_from_args(LocaConfig, args)
+    given = dataclass_from_args(LocaConfig, args, build=False)
+    return LocaConfig.preset(args.preset, **given)
 
 
 @dataclass
@@ -153,9 +163,9 @@ class RunSetup:
     def batches(self, items: list[Encoded]) -> list[Batch]:
         return make_batches(items, self.pad_id, batch_size=self.cfg.batch_size)
 
-    def calibrate(self, train: list[Encoded], heldout: list[Encoded] = ()) -> FeedbackMaps:
-        """Stage I with the run's configuration (see :func:`loca.calibrate.calibrate_with_config`)."""
-        return calibrate_with_config(self.parts, train, heldout, self.cfg, self.pad_id)
+    def calibrator(self, train: list[Encoded], heldout: list[Encoded] = ()) -> Calibrator:
+        """Stage I bound to the run's configuration and data (see :class:`loca.calibrate.Calibrator`)."""
+        return Calibrator(self.parts, train, heldout, self.cfg, self.pad_id)
 
 
 def setup_run(args: argparse.Namespace) -> RunSetup:

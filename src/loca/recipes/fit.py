@@ -63,11 +63,12 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "config.json", run_config)
 
+    calibrator = run.calibrator(train_items, heldout_items)
     if args.maps:
         maps = FeedbackMaps.from_pretrained(args.maps, parts)
     else:
         t0 = time.perf_counter()
-        maps = run.calibrate(train_items, heldout_items)
+        maps = calibrator.calibrate()
         maps.meta["calibration_time_s"] = time.perf_counter() - t0
         if out:
             maps.save_pretrained(out / "maps")
@@ -90,22 +91,9 @@ def run(args: argparse.Namespace) -> int:
             adapters.save_pretrained(out / "adapter", extra={"selection": row, "task": task.name})
 
     result = fit(
-        parts,
-        maps,
-        train,
-        heldout,
-        rank=cfg.rank,
-        seed=cfg.seed,
-        etas=cfg.etas,
-        lam_rels=cfg.lam_rel,
-        max_iters=cfg.max_iters,
-        patience=cfg.patience,
-        groups=cfg.groups,
-        step_scale=cfg.step_scale,
-        on_iteration=on_iteration,
-        on_improve=on_improve,
-        progress=not args.quiet,
-    )
+        parts, maps, train, heldout, cfg, calibrator=calibrator, on_iteration=on_iteration,
+        on_improve=on_improve, progress=not args.quiet,
+    )  # fmt: skip
     if not result.improved:
         print("LoCA: no candidate beat the frozen model on held-out CE; returning the frozen model (B = 0)")
         if out:
@@ -127,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         "best_iteration": result.best_iteration,
         "improved": result.improved,
         "stop_reasons": result.stop_reasons,
+        "recalibrations": result.recalibrations,
+        "recalibration_time_s": result.recalibration_time_s,
         "alignment": align,
         "padding_fraction": {"train": padding_fraction(train), "heldout": padding_fraction(heldout)},
         "fit_wall_time_s": result.wall_time_s,
