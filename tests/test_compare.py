@@ -111,3 +111,26 @@ def test_list_flags_take_commas_or_spaces():
     settings = dataclass_from_args(CompareSettings, args)
     assert settings.methods == ["frozen", "lora", "loca"] and settings.seeds == [0, 1]
     assert config_from_args(args).etas == [0.01, 0.03]
+
+
+def test_loca_variants_run_as_extra_methods_with_an_ablation_table(setup, tmp_path):
+    root, args = setup
+    base = args[: args.index("--methods")]
+    variants = json.dumps({"paper": {"preset": "paper", "max_iters": 2, "feedback_rank": 4},
+                           "adapt": {"step_control": "adaptive", "ridge_center": "previous"}})  # fmt: skip
+    out = tmp_path / "abl"
+    run = [*base, "--seeds", "0", "--methods", "frozen", "lora", "loca", "--loca-variants", variants]
+    assert main([*run, "--out", str(out)]) == 0
+    cells = {p.stem for p in (out / "cells" / "sst2" / "seed0").glob("*.json")}
+    assert cells == {"frozen", "lora", "loca", "loca@paper", "loca@adapt"}
+    cfg = json.loads((out / "cells" / "sst2" / "seed0" / "loca@paper.json").read_text())["key"]["config"]
+    assert cfg["etas"] == [0.003, 0.01, 0.03] and cfg["rank"] == 32  # the preset over the flags
+    assert cfg["feedback_rank"] == 4 and cfg["max_iters"] == 2  # the variant over the preset
+    table = (out / "table.md").read_text()
+    assert "| loca@adapt |" in table and "median R_CE" in table
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    assert set(summary["variants_vs_lora"]) == {"loca@paper", "loca@adapt"}
+    with pytest.raises(ValueError, match="unknown LoCA setting"):
+        from loca.compare import CompareSettings
+
+        CompareSettings(loca_variants='{"x": {"learning_rate": 1}}')

@@ -35,3 +35,26 @@ def test_cli_flags_mirror_the_dataclass():
     cfg = config_from_args(args)
     assert cfg == LocaConfig(rank=4, etas=[0.1, 0.2], add_eos=False, groups=2)
     assert config_from_args(p.parse_args([])) == LocaConfig()
+
+
+def test_paper_preset_and_flags_on_top_of_it():
+    paper = LocaConfig.preset("paper")
+    assert (paper.feedback_rank, paper.beta_rel, paper.etas, paper.step_control, paper.ridge_center,
+            paper.a_init, paper.recalibrate_every) == (8, 1e-3, [0.003, 0.01, 0.03], "fixed", "zero",
+                                                       "random", 0)  # fmt: skip
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    cfg = config_from_args(p.parse_args(["--preset", "paper", "--beta-rel", "1", "--no-add-eos"]))
+    assert cfg == LocaConfig.preset("paper", beta_rel=1.0, add_eos=False)
+    with pytest.raises(ValueError, match="unknown preset"):
+        LocaConfig.preset("nope")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [dict(step_control="sgd"), dict(eta_grow=0.5), dict(eta_shrink=1.0), dict(a_init="pca"),
+     dict(ridge_center="one"), dict(recalibrate_every=-1), dict(alignment_every=-1)],
+)  # fmt: skip
+def test_invalid_fit_options_are_named(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        LocaConfig(**bad)

@@ -102,8 +102,10 @@ def test_stats_give_the_naive_c_with_explicit_targets():
     assert stats.positions == 23
 
 
-def test_solve_block_is_the_ridge_solution():
-    """B_new = argmin Σ||B p − ρ||² + λ||B||², checked with lstsq on the explicit targets."""
+@pytest.mark.parametrize("center", ["zero", "previous"])
+def test_solve_block_is_the_ridge_solution(center):
+    """B_new = argmin Σ||B' p − ρ||² + λ||B' − c||² (c = 0, or the previous B), checked with lstsq
+    on the explicit targets."""
     gen = torch.Generator().manual_seed(4)
     d, r, k, n = 16, 5, 3, 40
     p = torch.randn(n, r, generator=gen)
@@ -115,11 +117,12 @@ def test_solve_block_is_the_ridge_solution():
     stats.add_inputs(p)
     s = stats.add_targets(p, torch.tensor(7.0), y, sigma)
     eta, lam_rel = 0.3, 1e-2
-    got = solve_block(b, stats, u, eta, lam_rel)
+    got = solve_block(b, stats, u, eta, lam_rel, center=center)
     rho = p @ b.T - eta * s * (y @ u.T)
     lam = lam_rel * float(torch.trace(p.T @ p)) / r
     x = torch.cat([p, lam**0.5 * torch.eye(r)])
-    t = torch.cat([rho, torch.zeros(r, d)])
+    anchor = b.T if center == "previous" else torch.zeros(r, d)
+    t = torch.cat([rho, lam**0.5 * anchor])
     want = torch.linalg.lstsq(x, t).solution.T
     torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
     assert relative_ridge(stats.gram, lam_rel) == pytest.approx(lam)
@@ -176,3 +179,15 @@ def test_absolute_step_uses_eta_unscaled():
     rho = p @ b.T - 0.1 * (e @ v @ us.T)
     c = b @ stats.gram - 0.1 * us @ stats.cross
     torch.testing.assert_close(c, rho.T @ p, atol=1e-9, rtol=1e-9)
+
+
+def test_solve_block_centers():
+    """With no step (η = 0) the paper's ridge shrinks B towards zero; the proximal one keeps it."""
+    gen = torch.Generator().manual_seed(5)
+    p, b = torch.randn(30, 4, generator=gen), torch.randn(6, 4, generator=gen)
+    stats = BlockStats.zeros(4, 2)
+    stats.add_inputs(p)
+    torch.testing.assert_close(solve_block(b, stats, torch.zeros(6, 2), 0.0, 1e-1, "previous"), b)
+    assert solve_block(b, stats, torch.zeros(6, 2), 0.0, 1e-1).norm() < b.norm()
+    with pytest.raises(ValueError, match="center"):
+        solve_block(b, stats, torch.zeros(6, 2), 0.0, 1e-1, "bogus")

@@ -22,6 +22,11 @@ class LocaConfig:
     lam_rel: list[float] = option(
         [1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r"
     )
+    ridge_center: str = option(
+        "zero",
+        "what the adapter solve's ridge pulls B' towards: 'zero' (the paper; λ||B'||² also "
+        "shrinks B every iteration) or 'previous' (λ||B' − B||²: a damped step, no shrinkage)",
+    )
     etas: list[float] = option([0.003, 0.01, 0.03], "dimensionless step-size candidates η")
     step_scale: str = option(
         "rms",
@@ -77,6 +82,7 @@ class LocaConfig:
             "lam_rel": bool(self.lam_rel) and all(x > 0 for x in self.lam_rel),
             "etas": bool(self.etas) and all(x > 0 for x in self.etas),
             "step_scale": self.step_scale in ("rms", "absolute"),
+            "ridge_center": self.ridge_center in ("zero", "previous"),
             "step_control": self.step_control in ("fixed", "adaptive"),
             "eta_grow": self.eta_grow >= 1,
             "eta_shrink": 0 < self.eta_shrink < 1,
@@ -121,7 +127,8 @@ class LocaConfig:
 # trajectories, one calibration); it stays reproducible whatever the defaults become.
 PRESETS: dict[str, dict] = {
     "paper": dict(
-        rank=32, feedback_rank=8, beta_rel=1e-3, lam_rel=[1e-3], etas=[0.003, 0.01, 0.03],
+        rank=32, feedback_rank=8, beta_rel=1e-3, lam_rel=[1e-3], ridge_center="zero",
+        etas=[0.003, 0.01, 0.03],
         step_scale="rms", step_control="fixed", a_init="random", recalibrate_every=0,
         max_iters=40, patience=3, groups=1, probe_positions=1000,
     ),  # fmt: skip

@@ -181,7 +181,9 @@ class _Fit:
                 train_ce = ce.mean
             for l in blocks:
                 us = self.maps.factors[l].us
-                self.adapters.B[l] = solve_block(self.adapters.B[l], stats[l], us, eta, traj.lam_rel)
+                self.adapters.B[l] = solve_block(
+                    self.adapters.B[l], stats[l], us, eta, traj.lam_rel, self.cfg.ridge_center
+                )
         return train_ce, self.heldout_ce()
 
     def row(self, it: int, traj: Trajectory, eta: float, train_ce: float, ce: float, t0: float) -> dict:

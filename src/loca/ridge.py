@@ -166,14 +166,25 @@ def relative_ridge(gram: Tensor, lam_rel: float) -> float:
     return lam_rel * float(torch.trace(gram)) / gram.shape[0]
 
 
-def solve_block(b: Tensor, stats: BlockStats, us: Tensor, eta: float, lam_rel: float) -> Tensor:
-    """One closed-form adapter update ``B ← (B G − η U_k Σ_k · cross)(G + λI)^{-1}``."""
+def solve_block(
+    b: Tensor, stats: BlockStats, us: Tensor, eta: float, lam_rel: float, center: str = "zero"
+) -> Tensor:
+    """One closed-form adapter update: the ridge fit of ``B' p`` to the targets ``ρ = B p − η s F e``.
+
+    ``center="zero"`` (the paper) penalises ``λ||B'||²``: ``B ← (B G − η U_k Σ_k · cross)(G + λI)⁻¹``,
+    which also shrinks B towards 0 every iteration (a fixed point where λB balances the step).
+    ``center="previous"`` penalises ``λ||B' − B||²``: ``B ← B − η U_k Σ_k · cross (G + λI)⁻¹``, a
+    damped step with no shrinkage."""
     g = stats.gram
     _check_finite("adapter statistics", g, stats.cross)
     if float(torch.trace(g)) <= 0:
         raise ValueError("no adapter inputs were accumulated (empty Gram matrix)")
+    if center not in ("zero", "previous"):
+        raise ValueError(f"center must be 'zero' or 'previous', got {center!r}")
     c = b.double() @ g - eta * (us.double() @ stats.cross)
     lam = relative_ridge(g, lam_rel)
+    if center == "previous":
+        c = c + lam * b.double()
     factor = _cholesky(g + lam * torch.eye(g.shape[0], dtype=g.dtype, device=g.device), "G + λI")
     new_b = torch.cholesky_solve(c.T, factor).T
     _check_finite("adapter solve", new_b)

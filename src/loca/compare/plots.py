@@ -54,7 +54,9 @@ def _grid(n: int):
 def write_plots(out: str | Path, cells: list[dict], rows: list[dict]) -> list[Path]:
     out = Path(out)
     tasks = list(dict.fromkeys(c["task"] for c in cells))
-    methods = [m for m in METHODS if any(c["method"] == m for c in cells)]
+    variant_names = sorted({c["method"] for c in cells if c["method"] not in METHODS})
+    colors = {**COLORS, **{v: f"C{5 + i % 5}" for i, v in enumerate(variant_names)}}
+    methods = [m for m in METHODS if any(c["method"] == m for c in cells)] + variant_names
     by_task = defaultdict(list)
     for c in cells:
         by_task[c["task"]].append(c)
@@ -68,10 +70,10 @@ def write_plots(out: str | Path, cells: list[dict], rows: list[dict]) -> list[Pa
                 label = f"{m} ({fit['step_unit']})" if fname.endswith("steps.png") else m
                 label = label if c["seed"] == min(x["seed"] for x in by_task[task]) else None
                 if m == "frozen":
-                    ax.axhline(fit["heldout_ce"], color=COLORS[m], ls=":", lw=1, label=label and "frozen")
+                    ax.axhline(fit["heldout_ce"], color=colors[m], ls=":", lw=1, label=label and "frozen")
                     continue
                 xs, ys = _best_so_far(fit["history"]) if "time" in fname else _selected_curve(fit)
-                ax.plot(xs, ys, color=COLORS[m], lw=1.2, alpha=0.8, label=label,
+                ax.plot(xs, ys, color=colors[m], lw=1.2, alpha=0.8, label=label,
                         marker="." if len(xs) < 60 else None)  # fmt: skip
             if "steps" in fname:
                 ax.set_xscale("symlog", linthresh=1)
@@ -98,7 +100,7 @@ def write_plots(out: str | Path, cells: list[dict], rows: list[dict]) -> list[Pa
             errs.append([[max(0.0, mean - min(vals))], [max(0.0, max(vals) - mean)]] if vals else [[0], [0]])
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(tasks))]
         yerr = [[e[0][0] for e in errs], [e[1][0] for e in errs]]
-        ax.bar(xs, means, width, yerr=yerr, capsize=2, color=COLORS[m], label=m)
+        ax.bar(xs, means, width, yerr=yerr, capsize=2, color=colors[m], label=m)
     ax.set_xticks(range(len(tasks)), tasks)
     ax.set_ylabel("test accuracy (mean, min–max over seeds)")
     ax.legend(fontsize=7, ncol=len(methods))
