@@ -68,7 +68,10 @@ def tiny_setup(n_train=48, n_heldout=24, seed=0):
 
 def test_fit_improves_heldout_ce_and_records_history():
     _, parts, maps, train, heldout = tiny_setup()
-    res = fit(parts, maps, train, heldout, LocaConfig(rank=8, etas=[0.01, 0.03], max_iters=4), progress=False)
+    res = fit(
+        parts, maps, train, heldout, LocaConfig.preset("paper", rank=8, etas=[0.01, 0.03], max_iters=4),
+        progress=False,
+    )
     assert res.improved and res.best_iteration >= 1
     assert res.heldout_ce < res.frozen_heldout_ce
     assert res.history[0]["iteration"] == 0 and res.history[0]["heldout_ce"] == res.frozen_heldout_ce
@@ -121,7 +124,8 @@ def test_frozen_model_is_returned_when_nothing_beats_it():
     assert res.heldout_ce == res.frozen_heldout_ce
 
 
-def test_non_finite_statistics_stop_safely_and_keep_the_best(monkeypatch):
+@pytest.mark.parametrize("control", ["fixed", "adaptive"])
+def test_non_finite_statistics_stop_safely_and_keep_the_best(monkeypatch, control):
     _, parts, maps, train, heldout = tiny_setup()
     calls = {"n": 0}
     real = fit_mod.head_loss_and_error
@@ -134,9 +138,15 @@ def test_non_finite_statistics_stop_safely_and_keep_the_best(monkeypatch):
         return loss, e
 
     monkeypatch.setattr(fit_mod, "head_loss_and_error", poisoned)
-    res = fit(parts, maps, train, heldout, LocaConfig(rank=8, etas=[0.01], max_iters=5), progress=False)
+    cfg = LocaConfig(rank=8, etas=[0.01], max_iters=5, step_control=control)
+    res = fit(parts, maps, train, heldout, cfg, progress=False)
     assert res.best_iteration == 1 and res.improved
-    assert "non-finite" in next(iter(res.stop_reasons.values()))
+    if control == "fixed":
+        assert "non-finite" in next(iter(res.stop_reasons.values()))
+    else:  # a non-finite step is a rejected one; B stays at the last good step until patience
+        bad = [r for r in res.history if r["iteration"] > 1]
+        assert bad and all(r["heldout_ce"] is None and "NaN" in r["error"] for r in bad)
+        assert "patience" in next(iter(res.stop_reasons.values()))
     assert all(torch.isfinite(b).all() for b in res.adapters.B)
 
 

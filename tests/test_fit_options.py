@@ -166,7 +166,7 @@ def test_recalibration_refits_the_maps_during_an_adaptive_fit():
     assert res.recalibrations >= 1 and res.recalibration_time_s > 0
     assert res.heldout_ce < res.frozen_heldout_ce
     with pytest.raises(ValueError, match="recalibrate_every"):
-        LocaConfig(recalibrate_every=2)  # fixed-η trajectories cannot share refitted maps
+        LocaConfig(step_control="fixed", recalibrate_every=2)  # fixed-η trajectories cannot share maps
     with pytest.raises(ValueError, match="Calibrator"):
         fit(parts, maps, train, heldout, cfg, progress=False)
 
@@ -185,3 +185,26 @@ def test_alignment_diagnostic_is_recorded_and_changes_nothing():
     # at B = 0 the diagnostic equals calibration's own held-out alignment
     res.adapters.reset()
     assert cal.heldout_alignment(maps) == pytest.approx(maps.meta["alignment"]["heldout"], abs=1e-6)
+
+
+def test_pooling_a_probe_with_itself_gives_the_same_maps():
+    parts, cal, maps, *_ = setup()
+    pool: list = []
+    cal.refit(pool)
+    twice = cal.refit(pool)  # the same probe at the same state, pooled with itself
+    assert twice.meta["probes_pooled"] == 2
+    for f, g in zip(maps.factors, twice.factors, strict=True):
+        torch.testing.assert_close(f.us @ f.v.T, g.us @ g.v.T, atol=1e-5, rtol=1e-4)
+
+
+def test_calibration_rounds_pool_probes_at_two_adapter_states():
+    parts, cal, one_round, train, heldout, cfg = setup(calibration_rounds=2, calibration_round_iters=3)
+    maps = cal.calibrate()
+    assert maps.meta["probes_pooled"] == 2 and maps.meta["calibration_rounds"] == 2
+    assert getattr(parts.model, "_loca_adapters", None) is None  # the short fit's adapters are gone
+    single = Calibrator(
+        parts, cal.train, cal.heldout, LocaConfig(**{**cfg.to_dict(), "calibration_rounds": 1}), 0
+    )
+    assert not torch.allclose(maps.factors[-1].us, single.calibrate().factors[-1].us)
+    res = fit(parts, maps, train, heldout, cfg, progress=False)
+    assert res.heldout_ce < res.frozen_heldout_ce

@@ -2,15 +2,15 @@
 
 Typical use::
 
-    from loca import LocaConfig, ResidualAdapters, calibrate, find_parts, fit
-    parts = find_parts(model)
-    maps = calibrate(parts, probe_items)                 # Stage I: one probe backward pass
-    result = fit(parts, maps, train_batches, heldout)    # Stage II: forward passes only
+    from loca import Calibrator, LocaConfig, find_parts, fit
+    parts, cfg = find_parts(model), LocaConfig()
+    maps = Calibrator(parts, train_items, heldout_items, cfg, pad_id).calibrate()  # Stage I
+    result = fit(parts, maps, train_batches, heldout_batches, cfg)  # Stage II: forward passes only
     result.adapters.save_pretrained("adapter/")
 """
 
 from .adapters import CheckpointMismatchError, ResidualAdapters
-from .calibrate import FeedbackMaps, calibrate, select_probe
+from .calibrate import Calibrator, FeedbackMaps, calibrate, select_probe
 from .config import LocaConfig
 from .fit import FitResult, fit
 from .head import LogitTransform, head_loss_and_error
@@ -20,6 +20,7 @@ from .ridge import NonFiniteStatisticsError
 __version__ = "0.1.0"
 
 __all__ = [
+    "Calibrator",
     "CheckpointMismatchError",
     "FeedbackMaps",
     "FitResult",

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .adapters import check_fingerprint
+from .config import LocaConfig
 from .data.batching import Encoded, make_batches
 from .head import head_loss_and_error
 from .io import atomic_dir, atomic_write_json
@@ -21,6 +22,7 @@ from .models import ModelParts, fingerprint
 from .ridge import FeedbackFactors, alignment, feedback_factors, random_factors
 from .versions import versions
 
+_DEFAULTS = LocaConfig()  # the keyword defaults below are LocaConfig's
 MAPS_WEIGHTS = "feedback_maps.safetensors"
 MAPS_CONFIG = "feedback_config.json"
 
@@ -121,6 +123,15 @@ def probe_gradients(
     return torch.cat(errors), [torch.cat(g) for g in grads]
 
 
+def _pooled(pool: list[tuple[Tensor, list[Tensor]]]) -> tuple[Tensor, list[Tensor]]:
+    """Stack several probes' errors and gradients, each probe's rows scaled by 1/RMS(E)."""
+    scales = [1.0 / max(float(e.pow(2).mean().sqrt()), 1e-30) for e, _ in pool]
+    errors = torch.cat([c * e for c, (e, _) in zip(scales, pool, strict=True)])
+    blocks = len(pool[0][1])
+    grads = [torch.cat([c * g[l] for c, (_, g) in zip(scales, pool, strict=True)]) for l in range(blocks)]
+    return errors, grads
+
+
 def _grad_capture_hook(captured: dict[int, Tensor], pos_b: Tensor, pos_t: Tensor, layer: int):
     """A forward hook that stores dLoss/dh_layer at the predict positions during backward."""
 
@@ -151,16 +162,21 @@ def calibrate(
     probe: Sequence[Encoded],
     heldout_probe: Sequence[Encoded] = (),
     *,
-    rank: int = 8,
-    beta_rel: float = 1e-3,
-    micro_batch: int = 8,
+    rank: int = _DEFAULTS.feedback_rank,
+    beta_rel: float = _DEFAULTS.beta_rel,
+    micro_batch: int = _DEFAULTS.probe_micro_batch,
     pad_id: int = 0,
     seed: int = 0,
+    pool: list[tuple[Tensor, list[Tensor]]] | None = None,
 ) -> FeedbackMaps:
     """Fit every block's feedback map from one probe pass and report alignment diagnostics.
 
     ``probe`` are encoded training sequences (see :func:`select_probe`); ``heldout_probe``, if
-    given, only serves the held-out alignment diagnostic.
+    given, only serves the held-out alignment diagnostic. With ``pool`` (a list, possibly empty)
+    the maps are fitted on this probe's errors and gradients together with those already in
+    ``pool`` (earlier probes, e.g. at other adapter states), each probe weighted equally (its rows
+    scaled by 1/RMS of its errors, which keeps every pair's relation ``g = F e``), and this probe's
+    are appended to ``pool``.
     """
     if not probe:
         raise ValueError("the calibration probe is empty")
@@ -168,7 +184,11 @@ def calibrate(
     parts.model.eval()
     try:
         errors, grads = probe_gradients(parts, probe, micro_batch, pad_id)
-        factors = feedback_factors(errors, grads, beta_rel, rank)
+        if pool is None:
+            factors = feedback_factors(errors, grads, beta_rel, rank)
+        else:
+            pool.append((errors, grads))
+            factors = feedback_factors(*_pooled(pool), beta_rel, rank)
         gen = torch.Generator().manual_seed(seed)
         d = parts.hidden_size
         random_maps = [random_factors(d, factors[0].v.shape[1], gen) for _ in factors]
@@ -192,6 +212,7 @@ def calibrate(
             stacklevel=2,
         )
     meta = {
+        "probes_pooled": len(pool) if pool is not None else 1,
         "feedback_rank": factors[0].v.shape[1],
         "beta_rel": beta_rel,
         "probe_sequences": len(probe),
@@ -215,16 +236,47 @@ class Calibrator:
     def __init__(self, parts: ModelParts, train: Sequence[Encoded], heldout: Sequence[Encoded], cfg,
                  pad_id: int):  # fmt: skip
         self.parts, self.cfg, self.pad_id = parts, cfg, pad_id
+        self.train, self.heldout = list(train), list(heldout)
         self.probe = select_probe(train, cfg.probe_positions, cfg.seed)
         self.heldout_probe = (
             select_probe(heldout, max(1, cfg.probe_positions // 4), cfg.seed + 1) if heldout else []
         )
 
     def calibrate(self) -> FeedbackMaps:
+        """Stage I as configured: one probe at the model's current state, or with
+        ``calibration_rounds`` R > 1, R probes pooled: after each, a short forward-only fit
+        (``calibration_round_iters`` steps from B = 0 with the maps so far) moves the adapters to
+        where the next probe is taken, so the maps also fit the errors that remain once the first
+        steps have been taken. The adapters are removed again: Stage II starts from B = 0."""
+        rounds = self.cfg.calibration_rounds
+        if rounds == 1:
+            return self.refit()
+        from dataclasses import replace
+
+        from .data.batching import make_batches
+        from .fit import fit
+
+        cfg = replace(self.cfg, max_iters=self.cfg.calibration_round_iters, recalibrate_every=0,
+                      alignment_every=0, calibration_rounds=1)  # fmt: skip
+        train = make_batches(self.train, self.pad_id, cfg.batch_size)
+        heldout = make_batches(self.heldout, self.pad_id, cfg.batch_size)
+        pool: list = []
+        maps = self.refit(pool)
+        for _ in range(rounds - 1):
+            res = fit(self.parts, maps, train, heldout, cfg, progress=False)
+            try:
+                maps = self.refit(pool)  # at the short fit's selected adapters
+            finally:
+                res.adapters.detach()
+        maps.meta["calibration_rounds"] = rounds
+        return maps
+
+    def refit(self, pool: list | None = None) -> FeedbackMaps:
+        """One probe at the model's current state (adapters included), pooled with ``pool``."""
         cfg = self.cfg
         return calibrate(
             self.parts, self.probe, self.heldout_probe, rank=cfg.feedback_rank, beta_rel=cfg.beta_rel,
-            micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id, seed=cfg.seed,
+            micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id, seed=cfg.seed, pool=pool,
         )  # fmt: skip
 
     def heldout_alignment(self, maps: FeedbackMaps) -> list[float]:

@@ -17,8 +17,8 @@ class LocaConfig:
     """Hyper-parameters of calibration (Stage I) and forward-only fitting (Stage II)."""
 
     rank: int = option(32, "adapter rank r (A is r×d, fixed; B is d×r, fitted)")
-    feedback_rank: int = option(8, "rank k of each block's feedback map F_l")
-    beta_rel: float = option(1e-3, "relative ridge of the feedback fit: β = β_rel·trace(EᵀE)/d")
+    feedback_rank: int = option(32, "rank k of each block's feedback map F_l")
+    beta_rel: float = option(1.0, "relative ridge of the feedback fit: β = β_rel·trace(EᵀE)/d")
     lam_rel: list[float] = option(
         [1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r"
     )
@@ -27,14 +27,18 @@ class LocaConfig:
         "what the adapter solve's ridge pulls B' towards: 'zero' (the paper; λ||B'||² also "
         "shrinks B every iteration) or 'previous' (λ||B' − B||²: a damped step, no shrinkage)",
     )
-    etas: list[float] = option([0.003, 0.01, 0.03], "dimensionless step-size candidates η")
+    etas: list[float] = option(
+        [0.003, 0.01, 0.03],
+        "dimensionless step sizes η: fixed control runs one trajectory per value; adaptive control "
+        "starts at the first",
+    )
     step_scale: str = option(
         "rms",
         "target step: 'rms' = η relative to the residual stream (η·RMS(h)/RMS(F e) per block and "
         "batch); 'absolute' = η as an absolute step (the paper's unnormalised ablation)",
     )
     step_control: str = option(
-        "fixed",
+        "adaptive",
         "'fixed' = one trajectory per η candidate, each at its fixed η (the paper); 'adaptive' = one "
         "trajectory that starts at the first η, grows η by eta_grow after every step that lowers "
         "the held-out CE and, after a step that does not, restores B and retries with η·eta_shrink "
@@ -54,13 +58,20 @@ class LocaConfig:
         "accepted steps (0 = never; each refit costs one probe backward pass, so the fit is no "
         "longer forward-only)",
     )
+    calibration_rounds: int = option(
+        1,
+        "Stage I probes, pooled: after the first, each further probe is taken at the adapters of a "
+        "short forward-only fit with the maps so far (1 = the paper's single probe at B = 0); "
+        "Stage II itself stays forward-only",
+    )
+    calibration_round_iters: int = option(5, "steps tried by each calibration round's short fit")
     alignment_every: int = option(
         0,
         "diagnostic: every this many iterations, measure the maps' alignment with the true "
         "gradients on the held-out probe at the best adapters so far (one probe backward each; "
         "0 = never; changes no result)",
     )
-    max_iters: int = option(40, "maximum number of outer iterations T_max (adaptive: of steps tried)")
+    max_iters: int = option(20, "maximum number of outer iterations T_max (adaptive: of steps tried)")
     patience: int = option(
         3, "stop a trajectory after this many iterations (adaptive: tries) without held-out improvement"
     )
@@ -90,6 +101,8 @@ class LocaConfig:
             "recalibrate_every": self.recalibrate_every >= 0
             and (self.recalibrate_every == 0 or self.step_control == "adaptive"),
             "alignment_every": self.alignment_every >= 0,
+            "calibration_rounds": self.calibration_rounds >= 1,
+            "calibration_round_iters": self.calibration_round_iters >= 1,
             "max_iters": self.max_iters >= 0,
             "patience": self.patience >= 1,
             "groups": self.groups >= 1,
@@ -129,7 +142,7 @@ PRESETS: dict[str, dict] = {
     "paper": dict(
         rank=32, feedback_rank=8, beta_rel=1e-3, lam_rel=[1e-3], ridge_center="zero",
         etas=[0.003, 0.01, 0.03],
-        step_scale="rms", step_control="fixed", a_init="random", recalibrate_every=0,
+        step_scale="rms", step_control="fixed", a_init="random", recalibrate_every=0, calibration_rounds=1,
         max_iters=40, patience=3, groups=1, probe_positions=1000,
     ),  # fmt: skip
     "default": {},

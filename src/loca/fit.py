@@ -201,7 +201,7 @@ class _Fit:
         """Refit the maps at adapters ``b`` (one probe backward pass)."""
         t0 = time.perf_counter()
         self.adapters.set_b(b)
-        self.maps = self.calibrator.calibrate()
+        self.maps = self.calibrator.refit()
         self.recalibrations += 1
         self.recalibration_s += time.perf_counter() - t0
 
@@ -284,21 +284,22 @@ def fit(
                 if traj.b is zero and traj.stats0 is None and state.maps is maps:
                     traj.stats0 = shared.get("zero")
                 t0 = time.perf_counter()
+                error = None
                 try:
                     train_ce, ce = state.step(traj, traj.eta)
                 except NonFiniteStatisticsError as exc:
                     if cfg.step_control == "fixed":
                         traj.stopped = f"non-finite at iteration {it}: {exc}"
                         continue
-                    train_ce, ce = math.nan, math.inf  # adaptive: a rejected step
+                    train_ce, ce, error = math.nan, math.inf, str(exc)  # adaptive: a rejected step
                 if traj.b is zero and state.maps is maps:
                     shared.setdefault("zero", traj.stats0)
                 row = state.row(it, traj, traj.eta, train_ce, ce, t0)
                 improved = ce < traj.best_ce
                 if cfg.step_control == "adaptive":
                     row["accepted"] = improved
-                    if not math.isfinite(ce):
-                        row["heldout_ce"] = None
+                    if error:
+                        row["heldout_ce"], row["train_ce"], row["error"] = None, None, error
                 state.log(row)
                 if cfg.step_control == "fixed":
                     traj.b, traj.stats0 = adapters.get_b(), None

@@ -145,7 +145,8 @@ def _range(xs: list[float]) -> str:
 
 def _print_table(r: dict) -> None:
     cols = ["heldout_ce", "test_ce", "test_ce_no_eos", "test_acc", "test_acc_norm"]
-    sel = f"eta={r['eta']} lam_rel={r['lam']} best_iteration={r['best_iteration']}"
+    eta = "none" if r["eta"] is None else f"{r['eta']:.3g}"
+    sel = f"eta={eta} lam_rel={r['lam']} best_iteration={r['best_iteration']}"
     print(f"\n{r['task']} on {r['model']}: {sel}")
     print(f"{'':8}" + "".join(f"{c:>16}" for c in cols))
     for name in ("frozen", "loca"):
