@@ -227,7 +227,7 @@ class ResidualAdapters:
         """
         tensors = {f"B.{i}": b.contiguous() for i, b in enumerate(self.get_b())}
         tensors.update({f"A.{i}": a.detach().cpu().contiguous() for i, a in enumerate(self.A)})
-        with atomic_dir(directory) as tmp:
+        with atomic_dir(directory, ADAPTER_CONFIG, "loca-adapter") as tmp:
             save_file(tensors, tmp / ADAPTER_WEIGHTS)
             atomic_write_json(tmp / ADAPTER_CONFIG, {**self.config(), **(extra or {})})
         return Path(directory)

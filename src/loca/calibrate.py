@@ -55,7 +55,7 @@ class FeedbackMaps:
         )
 
     def save_pretrained(self, directory: str | Path) -> Path:
-        with atomic_dir(directory) as tmp:
+        with atomic_dir(directory, MAPS_CONFIG, "loca-feedback-maps") as tmp:
             tensors = {}
             for i, f in enumerate(self.factors):
                 tensors[f"us.{i}"] = f.us.detach().cpu().contiguous()

@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loca", description="Forward-only tuning of frozen language models (LoCA)."
     )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in RECIPES.items():
         recipe = importlib.import_module(f"loca.recipes.{module}")
@@ -37,12 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. An error ends in one line on stderr (exit 2 for bad input, 1 for any
+    other failure); ``loca --debug ...`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"loca {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        if args.debug:
+            raise
+        bad_input = isinstance(exc, ValueError | FileNotFoundError | FileExistsError | KeyError)
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        kind = "" if isinstance(exc, ValueError | FileNotFoundError) else f"{type(exc).__name__}: "
+        hint = f"(loca --debug {args.command} ... shows the traceback)"
+        print(f"loca {args.command}: error: {kind}{text} {hint}", file=sys.stderr)
+        return 2 if bad_input else 1

@@ -27,25 +27,67 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_write_json(path: str | Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """Strict JSON (no bare NaN/Infinity, which other parsers reject), written atomically."""
+    try:
+        text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=False)
+    except ValueError as exc:
+        raise ValueError(f"refusing to write {path}: it would hold a non-finite number ({exc})") from exc
+    atomic_write_text(path, text + "\n")
+
+
+class FolderInUseError(FileExistsError):
+    """A folder holds something loca did not make and must not replace."""
+
+
+def is_artefact(directory: Path, config_file: str, fmt: str | None) -> bool:
+    """Whether ``directory`` holds a loca artefact of format ``fmt`` (its ``config_file`` says so;
+    with ``fmt=None`` the file's presence is enough)."""
+    if fmt is None:
+        return (directory / config_file).is_file()
+    try:
+        return json.loads((directory / config_file).read_text()).get("format") == fmt
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def ensure_replaceable(directory: Path, config_file: str, fmt: str | None) -> None:
+    """Raise :class:`FolderInUseError` unless ``directory`` is absent, empty, or an artefact of the
+    same kind (which :func:`atomic_dir` may replace)."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise FolderInUseError(f"{directory} exists and is not a folder")
+    if directory.is_dir() and any(directory.iterdir()) and not is_artefact(directory, config_file, fmt):
+        raise FolderInUseError(
+            f"{directory} is not empty and is not a loca {fmt or config_file} folder; refusing to "
+            "replace it (choose a new or empty folder)"
+        )
 
 
 @contextmanager
-def atomic_dir(directory: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces ``directory`` in one rename."""
+def atomic_dir(directory: str | Path, config_file: str, fmt: str | None) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces ``directory`` in one rename.
+
+    An existing ``directory`` is replaced only if it is empty or is an artefact of the same kind
+    (``config_file`` naming format ``fmt``): loca never replaces a folder it did not make. If the
+    swap fails half-way the old copy is put back.
+    """
     directory = Path(directory)
+    ensure_replaceable(directory, config_file, fmt)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    old = directory.with_name(f".{directory.name}.old")
     try:
         yield tmp
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(directory, old)
+        if not directory.exists():
             os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
+            return
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+        try:
             os.replace(tmp, directory)
-    except BaseException:
+        except BaseException:
+            os.replace(old, directory)  # put the previous artefact back
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -155,13 +155,15 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def load_model(
-    name: str, device: str | None = None, dtype: str = "float32", random_init: bool = False, seed: int = 0
-):
+    name: str, device: str | None = None, dtype: str = "float32", random_init: bool = False, seed: int = 0,
+    trust_remote_code: bool = False,
+):  # fmt: skip
     """Load ``(model, tokenizer)`` from a local folder, a built-in offline alias or a hub id.
 
     With ``random_init`` only the config and tokenizer are read and the weights are drawn at
     random (seeded): for time and memory measurements of an architecture, which do not depend on
-    the weights' values. The model is put in eval mode with every parameter frozen.
+    the weights' values. The model is put in eval mode with every parameter frozen. Code shipped
+    with a model folder or hub repo (``auto_map``) is never run unless ``trust_remote_code``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -173,13 +175,14 @@ def load_model(
     if name in ALIASES:
         path = ensure_alias(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        remote = {"trust_remote_code": trust_remote_code}
+        tokenizer = AutoTokenizer.from_pretrained(path, **remote)
         if random_init:
             torch.manual_seed(seed)
-            config = AutoConfig.from_pretrained(path)
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+            config = AutoConfig.from_pretrained(path, **remote)
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], **remote)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **remote)
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(

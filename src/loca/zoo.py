@@ -237,9 +237,10 @@ def _make_readable(folder: Path) -> None:
 
 def _convert_into(spec: AliasSpec, gguf: Path, target: Path) -> None:
     _log(f"sha256 ok; converting {spec.gguf_file} to float32 safetensors")
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, MARKER, None) as tmp:  # any earlier conversion of this alias
         convert_gguf(gguf.parent, gguf.name, tmp)
         marker = {
+            "format": "loca-alias",
             "alias": spec.name,
             "description": spec.description,
             "source": [f"{p}=={v}:{m}" for p, v, m in spec.wheels],

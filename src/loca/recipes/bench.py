@@ -24,6 +24,7 @@ from ..bench import measure_phases
 from ..fit import collect_statistics
 from ..io import atomic_write_json
 from ..ridge import solve_block
+from ..runs import prepare_run_dir
 from ..versions import versions
 from .common import add_config_args, add_data_args, add_model_args, setup_run
 
@@ -41,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per phase (median reported)")
     p.add_argument("--out", required=True, help="folder for bench.json")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier `loca bench` run in --out")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(phases) - set(PHASES)
     if unknown:
         raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+    if not phases:
+        raise ValueError(f"--phases names no phase; choose from {PHASES}")
+    prepare_run_dir(args.out, "bench", model=args.model, overwrite=args.overwrite)
     run = setup_run(args)
     cfg, model, parts, task = run.cfg, run.model, run.parts, run.task
     items = run.encode(run.splits.train)

@@ -11,7 +11,11 @@ The maps carry the checkpoint's fingerprint; ``loca fit --maps`` refuses them fo
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from ..calibrate import MAPS_CONFIG
+from ..io import ensure_replaceable
+from ..runs import refuse_model_folder
 from .common import add_config_args, add_data_args, add_model_args, setup_run
 
 
@@ -23,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_model_folder(Path(args.out), args.model)
+    ensure_replaceable(Path(args.out), MAPS_CONFIG, "loca-feedback-maps")  # before the work
     run = setup_run(args)
     maps = run.calibrator(run.encode(run.splits.train), run.encode(run.splits.heldout)).calibrate()
     maps.meta.update({"task": run.task.name, "splits": run.splits.record})

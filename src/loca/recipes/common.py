@@ -35,6 +35,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="backbone dtype (adapters and statistics stay float32/float64)",
     )
     g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow running Python code shipped with the model (auto_map); off by default",
+    )
+    g.add_argument(
         "--random-init",
         action="store_true",
         help="random weights from the model's config and tokenizer (for time/memory measurements)",
@@ -184,6 +189,7 @@ def setup_run(args: argparse.Namespace) -> RunSetup:
 def setup_model(args: argparse.Namespace):
     """``(model, tokenizer, parts)`` from the model flags."""
     model, tokenizer = load_model(
-        args.model, device=args.device, dtype=args.dtype, random_init=args.random_init
-    )
+        args.model, device=args.device, dtype=args.dtype, random_init=args.random_init,
+        trust_remote_code=args.trust_remote_code,
+    )  # fmt: skip
     return model, tokenizer, find_parts(model)

@@ -16,12 +16,14 @@ redraws the tables and plots from the stored cells without loading a model.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..baselines.lora import LoraSettings
 from ..baselines.mezo import MezoSettings
 from ..compare import CompareSettings, MethodConfigs, run_compare
 from ..compare.report import write_report
 from ..compare.store import CellStore
+from ..runs import prepare_run_dir, run_command
 from .common import (
     DEFAULT_MODEL,
     add_config_args,
@@ -55,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.report_only:
+        if run_command(Path(args.out)) != "compare":
+            raise ValueError(f"--out {args.out} is not a `loca compare` folder")
         cells = CellStore(args.out).all_cells()
         if not cells:
             raise ValueError(f"{args.out} holds no finished cells")
@@ -62,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote the report of {len(cells)} cells to {args.out}")
         return 0
     settings = dataclass_from_args(CompareSettings, args)
+    prepare_run_dir(args.out, "compare", model=args.model, resumable=True)
     configs = MethodConfigs(
         loca=config_from_args(args),
         lora=dataclass_from_args(LoraSettings, args, "lora"),

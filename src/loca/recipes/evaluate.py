@@ -21,6 +21,7 @@ from ..data import get_task, load_test
 from ..io import atomic_write_json
 from ..metrics import evaluate
 from ..models import fingerprint
+from ..runs import prepare_run_dir, require_finite
 from ..versions import versions
 from .common import add_model_args, resolve_data_dir, setup_model
 
@@ -52,12 +53,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--add-eos", default=None, action=argparse.BooleanOptionalAction,
                    help="count EOS after the answer in test_ce (default: the task's setting)")
     g.add_argument("--out", required=True, help="output folder; receives results.json")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier `loca evaluate` run's results in --out")
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.max_length < 2 or args.batch_size < 1:
         raise ValueError("--max-length must be at least 2 and --batch-size at least 1")
+    prepare_run_dir(args.out, "evaluate", model=args.model, overwrite=args.overwrite)
     task = get_task(args.task, template=args.template)
     data_dir = resolve_data_dir(args.data_dir)
     examples, record = load_test(task, n_test=args.n_test, seed=args.seed, data_dir=data_dir)
@@ -94,9 +98,10 @@ def run(args: argparse.Namespace) -> int:
         "eval_wall_time_s": eval_s,
         "wall_time_s": time.perf_counter() - start,
     }
-    out = Path(args.out) / "results.json"
-    atomic_write_json(out, results)
     print(format_metrics(task.name, args.model, metrics, adapter=args.adapter))
+    out = Path(args.out) / "results.json"
+    require_finite(metrics, "the evaluation")
+    atomic_write_json(out, results)
     print(f"wall time {results['wall_time_s']:.1f} s (evaluation {eval_s:.1f} s); wrote {out}")
     return 0
 

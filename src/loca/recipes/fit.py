@@ -24,6 +24,7 @@ from ..fit import fit
 from ..io import atomic_write_json, atomic_write_text
 from ..metrics import evaluate
 from ..models import fingerprint
+from ..runs import prepare_run_dir, require_finite
 from ..versions import versions
 from .common import add_config_args, add_data_args, add_model_args, setup_run
 
@@ -36,11 +37,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--maps", default=None, help="load feedback maps from this folder instead of calibrating")
     g.add_argument("--out", default=None, help="output folder (config, history, results, adapter, maps)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier `loca fit` run in --out, or add this run's "
+                   "files to a non-empty folder (nothing else there is deleted)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = Path(args.out) if args.out else None
+    if out:
+        prepare_run_dir(out, "fit", model=args.model, overwrite=args.overwrite)
     run = setup_run(args)
     cfg, task, splits, parts, tokenizer = run.cfg, run.task, run.splits, run.parts, run.tokenizer
     train_items, heldout_items = run.encode(splits.train), run.encode(splits.heldout)
@@ -60,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
         "versions": versions(),
     }
     if out:
-        out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "config.json", run_config)
 
     calibrator = run.calibrator(train_items, heldout_items)
@@ -122,9 +127,13 @@ def run(args: argparse.Namespace) -> int:
         "fit_wall_time_s": result.wall_time_s,
         "wall_time_s": time.perf_counter() - start,
     }
+    _print_table(results)
+    for name in ("frozen", "loca"):
+        require_finite(results[name], f"the {name} model's evaluation")
     if out:
         atomic_write_json(out / "results.json", results)
-    _print_table(results)
+    else:
+        print("no --out given: the adapters and maps were not saved")
     return 0
 
 
