@@ -63,20 +63,14 @@ def test_calibrate_then_forward_only_fit_then_evaluate(setup):
         main(["calibrate", *common, "--n-train", "16", "--n-heldout", "8", "--out", str(root / "maps")]) == 0
     )
     out = root / "fit2"
-    args = [
-        "fit",
-        *common,
-        "--n-train",
-        "16",
-        "--n-heldout",
-        "8",
-        "--n-test",
-        "10",
-        "--maps",
-        str(root / "maps"),
-    ]
+    stage2 = common[:-2]  # without --feedback-rank 4
+    args = ["fit", *stage2, "--n-train", "16", "--n-heldout", "8", "--n-test", "10"]
+    args += ["--maps", str(root / "maps")]
     assert main([*args, "--max-iters", "1", "--out", str(out), "--quiet"]) == 0
     assert not (out / "maps").exists()
+    # the recorded configuration is the maps' calibration, and calibration flags are refused
+    assert json.loads((out / "config.json").read_text())["loca"]["feedback_rank"] == 4
+    assert main([*args, "--feedback-rank", "8", "--out", str(root / "fit3")]) == 2
     ev = root / "eval"
     assert (
         main(["evaluate", *common[:6], "--n-test", "10", "--adapter", str(out / "adapter"), "--out", str(ev)])
@@ -94,7 +88,7 @@ def test_maps_from_another_checkpoint_are_refused(setup, capsys):
     tiny_tokenizer().save_pretrained(root / "other")
     if not (root / "maps").exists():
         main(["calibrate", *common, "--n-train", "16", "--n-heldout", "8", "--out", str(root / "maps")])
-    args = ["fit", "--model", str(root / "other"), *common[2:], "--maps", str(root / "maps")]
+    args = ["fit", "--model", str(root / "other"), *common[2:-2], "--maps", str(root / "maps")]
     assert main([*args, "--n-train", "16", "--n-heldout", "8", "--n-test", "4", "--quiet"]) == 2
     assert "another checkpoint" in capsys.readouterr().err
 

@@ -154,7 +154,7 @@ def test_rerunning_fit_needs_overwrite_and_evaluate_never_replaces_a_fit(setup, 
     assert main([*run, "--overwrite"]) == 0
 
 
-def test_non_finite_metrics_are_errors_and_nothing_is_written(setup, tmp_path, capsys):
+def test_non_finite_adapters_and_metrics_are_errors_and_nothing_is_written(setup, tmp_path, capsys):
     root, common = setup
     from safetensors.torch import load_file, save_file
 
@@ -165,15 +165,59 @@ def test_non_finite_metrics_are_errors_and_nothing_is_written(setup, tmp_path, c
     tensors = load_file(weights)
     tensors["B.0"] = torch.full_like(tensors["B.0"], float("nan"))
     save_file(tensors, weights)
-    out = tmp_path / "eval"
+    ev = ["evaluate", "--task", str(root / "task.jsonl"), "--template", TEMPLATE, "--device", "cpu",
+          "--n-test", "4"]  # fmt: skip
     capsys.readouterr()
-    argv = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"), "--template",
-            TEMPLATE, "--device", "cpu", "--n-test", "4", "--adapter", str(tmp_path / "run" / "adapter"),
-            "--out", str(out)]  # fmt: skip
+    argv = [*ev, "--model", str(root / "model"), "--adapter", str(weights.parent),
+            "--out", str(tmp_path / "e1")]  # fmt: skip
     assert main(argv) == 2
+    assert "adapter_model.safetensors: holds NaN" in capsys.readouterr().err
+    # NaN weights: the metrics are printed, then refused, and no results file is written
+    bad_model = tmp_path / "nan-model"
+    model = tiny_model(tiny_tokenizer())
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    model.save_pretrained(bad_model)
+    tiny_tokenizer().save_pretrained(bad_model)
+    assert main([*ev, "--model", str(bad_model), "--out", str(tmp_path / "e2")]) == 2
     captured = capsys.readouterr()
-    assert "test CE" in captured.out and "non-finite" in captured.err  # printed first, then refused
-    assert not (out / "results.json").exists()
+    assert "test CE" in captured.out and "non-finite" in captured.err
+    assert not (tmp_path / "e2" / "results.json").exists()
+
+
+def test_corrupt_artefacts_name_the_file(setup, tmp_path, capsys):
+    root, common = setup
+    fit = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
+           "--quiet", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert main(fit) == 0
+    (tmp_path / "run" / "adapter" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    cfg_path = tmp_path / "run" / "maps" / "feedback_config.json"
+    cfg_path.write_text("{broken")
+    ev = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
+          "--template", TEMPLATE, "--device", "cpu", "--n-test", "4",
+          "--adapter", str(tmp_path / "run" / "adapter"),
+          "--out", str(tmp_path / "ev")]  # fmt: skip
+    capsys.readouterr()
+    assert main(ev) == 2
+    assert "adapter_model.safetensors: not a readable safetensors file" in capsys.readouterr().err
+    refit = ["fit", *common[:-2], "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--quiet",
+             "--out", str(tmp_path / "run2"), "--maps", str(tmp_path / "run" / "maps")]  # fmt: skip
+    assert main(refit) == 2
+    assert "feedback_config.json: not readable JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--device", "gpu0"], "--device 'gpu0'"),
+    (["--beta-rel", "inf"], "beta_rel"),
+    (["--etas", "nan"], "etas"),
+])  # fmt: skip
+def test_bad_flags_are_one_line_errors(setup, tmp_path, capsys, flags, needle):
+    root, common = setup
+    argv = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4",
+            "--out", str(tmp_path / "x"), *flags]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
 
 
 def test_foreign_code_in_a_model_folder_is_never_run(setup, tmp_path, capsys):
@@ -203,3 +247,55 @@ def test_debug_shows_the_traceback(setup, tmp_path):
     mine = user_folder(tmp_path / "mine")
     with pytest.raises(RunFolderError):
         main(["--debug", "fit", *common, "--out", str(mine)])
+
+
+def test_fingerprint_sees_a_change_in_any_weight(setup):
+    from loca.models import find_parts, fingerprint
+
+    root, _ = setup
+    model = tiny_model(tiny_tokenizer())
+    parts = find_parts(model)
+    before = fingerprint(parts)
+    with torch.no_grad():  # a merged LoRA on one MLP projection: a dense low-rank change
+        w = model.model.layers[0].mlp.down_proj.weight
+        w += 1e-2 * torch.randn(w.shape[0], 1) @ torch.randn(1, w.shape[1])
+    assert fingerprint(parts)["weights_sha256"] != before["weights_sha256"]
+    assert fingerprint(find_parts(tiny_model(tiny_tokenizer()).to(torch.bfloat16))) == before
+
+
+def test_data_and_context_warnings(setup, tmp_path, capsys):
+    root, common = setup
+
+    def row(i):
+        choices = {1: ["positive"], 2: ["negative", "negative"]}.get(i % 10, ["negative", "positive"])
+        words = "w " * (60 if i % 10 == 3 else 2)
+        return {"id": f"x{i}", "question": f"q{i % 30} {words}", "choices": choices, "label": 0}
+
+    with open(tmp_path / "odd.jsonl", "w") as f:
+        f.writelines(json.dumps(row(i)) + "\n" for i in range(80))
+    argv = ["fit", *common[:2], "--task", str(tmp_path / "odd.jsonl"), "--template", "{question} ->",
+            "--device", "cpu", "--rank", "4", "--feedback-rank", "4", "--n-train", "20", "--n-heldout", "10",
+            "--n-test", "10", "--max-iters", "0", "--max-length", "999", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "exceeds the model's context of 256 tokens; using 256" in err
+    assert "single choice" in err and "repeat a choice text" in err
+    assert "same question and passage" in err
+    assert "--max-iters 0 runs no Stage II iteration" in captured.out
+    assert "no --out given" in captured.out
+    argv[argv.index("999")] = "24"  # the 60-word questions no longer fit
+    assert main(argv) == 0
+    assert "prompts were cut from the left" in capsys.readouterr().err
+
+
+def test_overwrite_never_replaces_a_users_file_of_the_same_name(setup, tmp_path, capsys):
+    root, common = setup
+    mine = user_folder(tmp_path / "mine")
+    (mine / "config.json").write_text("my own config")
+    argv = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
+            "--quiet", "--overwrite", "--out", str(mine)]  # fmt: skip
+    assert main(argv) == 2 and "config.json" in capsys.readouterr().err
+    assert (mine / "config.json").read_text() == "my own config"
+    bench = ["bench", *common, "--n-train", "8", "--phases", ",", "--out", str(tmp_path / "b")]
+    assert main(bench) == 2 and "names no phase" in capsys.readouterr().err

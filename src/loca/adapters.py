@@ -239,13 +239,49 @@ class ResidualAdapters:
         cfg_path = directory / ADAPTER_CONFIG
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{cfg_path} not found: not a LoCA adapter folder")
-        cfg = json.loads(cfg_path.read_text())
+        cfg = read_json_object(cfg_path)
+        if cfg.get("format") != "loca-adapter":
+            raise ValueError(f"{cfg_path}: not a LoCA adapter config (format {cfg.get('format')!r})")
         check_fingerprint(cfg.get("fingerprint"), fingerprint(parts), str(directory))
-        tensors = load_file(directory / ADAPTER_WEIGHTS)
-        stored_a = [tensors[f"A.{i}"] for i in range(parts.num_blocks)] if "A.0" in tensors else None
-        adapters = cls(parts, rank=int(cfg["rank"]), seed=int(cfg["seed"]), a=stored_a)
-        adapters.set_b([tensors[f"B.{i}"] for i in range(parts.num_blocks)])
+        rank, seed = cfg.get("rank"), cfg.get("seed")
+        if not isinstance(rank, int) or not 1 <= rank <= parts.hidden_size or not isinstance(seed, int):
+            raise ValueError(
+                f"{cfg_path}: 'rank' must be an integer in 1..{parts.hidden_size} and 'seed' an "
+                f"integer (got rank={rank!r}, seed={seed!r})"
+            )
+        tensors = read_safetensors(directory / ADAPTER_WEIGHTS)
+        n = parts.num_blocks
+        try:
+            stored_a = [tensors[f"A.{i}"] for i in range(n)] if "A.0" in tensors else None
+            adapters = cls(parts, rank=rank, seed=seed, a=stored_a)
+            adapters.set_b([tensors[f"B.{i}"] for i in range(n)])
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{directory / ADAPTER_WEIGHTS}: does not hold {n} blocks' adapters "
+                             f"of rank {rank} ({exc})") from None  # fmt: skip
+        if not all(torch.isfinite(t).all() for t in (*adapters.A, *adapters.B)):
+            raise ValueError(f"{directory / ADAPTER_WEIGHTS}: holds NaN or Inf values")
         return adapters
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from ``path``, or a ValueError naming the file."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return obj
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    """The tensors of a safetensors file, or a ValueError naming the file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        return load_file(path)
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 class CheckpointMismatchError(ValueError):
@@ -253,6 +289,11 @@ class CheckpointMismatchError(ValueError):
 
 
 def check_fingerprint(saved: dict | None, current: dict, what: str) -> None:
+    if isinstance(saved, dict) and saved.get("fingerprint_version") != current.get("fingerprint_version"):
+        raise CheckpointMismatchError(
+            f"{what} was saved by an older loca whose checkpoint fingerprint cannot be checked "
+            "against this one; calibrate/fit again"
+        )
     if saved != current:
         diff = [k for k in current if (saved or {}).get(k) != current[k]]
         raise CheckpointMismatchError(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,10 +9,10 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
-from .adapters import check_fingerprint
+from .adapters import check_fingerprint, read_json_object, read_safetensors
 from .config import LocaConfig
 from .data.batching import Encoded, make_batches
 from .head import head_loss_and_error
@@ -74,12 +73,22 @@ class FeedbackMaps:
         cfg_path = directory / MAPS_CONFIG
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{cfg_path} not found: not a LoCA feedback-map folder")
-        cfg = json.loads(cfg_path.read_text())
+        cfg = read_json_object(cfg_path)
+        if cfg.get("format") != "loca-feedback-maps" or not isinstance(cfg.get("fingerprint"), dict):
+            raise ValueError(f"{cfg_path}: not a LoCA feedback-map config")
         if parts is not None:
             check_fingerprint(cfg.get("fingerprint"), fingerprint(parts), f"feedback maps {directory}")
-        tensors = load_file(directory / MAPS_WEIGHTS)
-        n = cfg["fingerprint"]["num_blocks"]
-        factors = [FeedbackFactors(tensors[f"us.{i}"], tensors[f"v.{i}"]) for i in range(n)]
+        tensors = read_safetensors(directory / MAPS_WEIGHTS)
+        n = cfg["fingerprint"].get("num_blocks")
+        try:
+            factors = [FeedbackFactors(tensors[f"us.{i}"], tensors[f"v.{i}"]) for i in range(n)]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{directory / MAPS_WEIGHTS}: does not hold {n} blocks' maps ({exc})") from None
+        shapes = {(f.us.shape, f.v.shape) for f in factors}
+        if len(shapes) != 1 or factors[0].us.shape != factors[0].v.shape or factors[0].us.ndim != 2:
+            raise ValueError(f"{directory / MAPS_WEIGHTS}: inconsistent map shapes")
+        if not all(torch.isfinite(f.us).all() and torch.isfinite(f.v).all() for f in factors):
+            raise ValueError(f"{directory / MAPS_WEIGHTS}: holds NaN or Inf values")
         meta = {k: v for k, v in cfg.items() if k not in ("format", "version", "fingerprint")}
         maps = cls(factors, cfg["fingerprint"], meta)
         return maps.to_blocks(parts) if parts is not None else maps

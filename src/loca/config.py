@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 
@@ -86,16 +87,17 @@ class LocaConfig:
     def __post_init__(self) -> None:
         self.lam_rel = [float(x) for x in self.lam_rel]
         self.etas = [float(x) for x in self.etas]
+        ok = math.isfinite
         checks = {
             "rank": self.rank >= 1,
             "feedback_rank": self.feedback_rank >= 1,
-            "beta_rel": self.beta_rel > 0,
-            "lam_rel": bool(self.lam_rel) and all(x > 0 for x in self.lam_rel),
-            "etas": bool(self.etas) and all(x > 0 for x in self.etas),
+            "beta_rel": self.beta_rel > 0 and ok(self.beta_rel),
+            "lam_rel": bool(self.lam_rel) and all(x > 0 and ok(x) for x in self.lam_rel),
+            "etas": bool(self.etas) and all(x > 0 and ok(x) for x in self.etas),
             "step_scale": self.step_scale in ("rms", "absolute"),
             "ridge_center": self.ridge_center in ("zero", "previous"),
             "step_control": self.step_control in ("fixed", "adaptive"),
-            "eta_grow": self.eta_grow >= 1,
+            "eta_grow": 1 <= self.eta_grow < math.inf,
             "eta_shrink": 0 < self.eta_shrink < 1,
             "a_init": self.a_init in ("random", "principal"),
             "recalibrate_every": self.recalibrate_every >= 0

@@ -118,25 +118,28 @@ def find_parts(model: nn.Module) -> ModelParts:
     )
 
 
-def fingerprint(parts: ModelParts) -> dict:
-    """Identify a checkpoint: its config plus a hash of a few weight slices.
+FINGERPRINT_VERSION = 2
+_SAMPLE = 4096  # elements hashed per tensor
 
-    Slices are rounded to bfloat16 before hashing, so the same checkpoint loaded in float32 or
-    bfloat16 gives the same fingerprint, while different weights do not.
+
+def fingerprint(parts: ModelParts) -> dict:
+    """Identify a checkpoint: its config plus a hash over **every** parameter tensor.
+
+    Each tensor contributes its name and an evenly strided sample of up to 4096 of its elements,
+    rounded to bfloat16 (so float32 and bfloat16 loads of one checkpoint agree): any fine-tune
+    that changes a weight matrix densely (full tuning, a merged LoRA on any module) changes the
+    hash, at the cost of reading a few thousand numbers per tensor.
     """
     cfg = _text_config(parts.model.config)
     digest = hashlib.sha256()
-    tensors = [
-        parts.head.weight[:64],
-        parts.model.get_input_embeddings().weight[-64:],
-        next(parts.blocks[0].parameters()),
-        next(parts.blocks[-1].parameters()),
-    ]
-    tensors += [p for p in parts.final_norm.parameters()]
-    for t in tensors:
-        flat = t.detach().reshape(-1)[:65536].to("cpu", torch.bfloat16).float()
-        digest.update(flat.numpy().tobytes())
+    for name, p in sorted(parts.model.named_parameters(), key=lambda kv: kv[0]):
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // _SAMPLE)
+        sample = flat[::step][:_SAMPLE].to("cpu", torch.bfloat16).float()
+        digest.update(name.encode())
+        digest.update(sample.numpy().tobytes())
     return {
+        "fingerprint_version": FINGERPRINT_VERSION,
         "model_type": getattr(cfg, "model_type", type(parts.model).__name__),
         "hidden_size": parts.hidden_size,
         "num_blocks": parts.num_blocks,
@@ -149,9 +152,32 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(device: str | None) -> torch.device:
+    """``auto``/None: CUDA if available, else the CPU; otherwise a checked device string."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine (use cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            n = torch.cuda.device_count()
+            raise ValueError(f"--device {device}: this machine has {n} CUDA device(s)")
+    elif dev.type not in ("cpu", "mps"):
+        raise ValueError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def context_length(model) -> int | None:
+    """The longest sequence the model's position embeddings cover, if its config says."""
+    cfg = _text_config(model.config)
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def load_model(
@@ -171,6 +197,7 @@ def load_model(
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    target = resolve_device(device)  # a bad --device fails before the weights are read
     path: str | Path = name
     if name in ALIASES:
         path = ensure_alias(name)
@@ -189,6 +216,6 @@ def load_model(
             f"could not load model {name!r}: not a model folder, not a built-in alias "
             f"({', '.join(ALIASES)}), and the hub could not provide it ({first})"
         ) from exc
-    model.to(resolve_device(device)).eval()
+    model.to(target).eval()
     model.requires_grad_(False)
     return model, tokenizer

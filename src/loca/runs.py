@@ -56,13 +56,15 @@ def refuse_model_folder(out: Path, model: str | Path | None) -> None:
 
 def prepare_run_dir(
     out: str | Path, command: str, *, model: str | Path | None = None, overwrite: bool = False,
-    resumable: bool = False,
+    resumable: bool = False, writes: tuple[str, ...] = (),
 ) -> Path:  # fmt: skip
     """Check that ``out`` may receive ``command``'s files, then create and mark it.
 
     Raises :class:`RunFolderError` (before any work is done) when ``out`` is or lies inside the
     model's folder, is any model's folder, or is not empty and neither a new run folder of this
-    command nor allowed by ``overwrite``/``resumable``. Creating the folder and its marker first
+    command nor allowed by ``overwrite``/``resumable``; ``overwrite`` into a folder that is not a
+    run folder is refused too when it holds any of the names in ``writes`` (the files and folders
+    the command writes), so nothing of the user's is replaced. Creating the folder and its marker first
     also makes a read-only or full disk fail here, not after the run."""
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -86,6 +88,13 @@ def prepare_run_dir(
                 f"--out {out} is not empty and is not a loca run folder; choose a new or empty "
                 "folder, or pass --overwrite to add this run's files to it (nothing there is deleted)"
             )
+        elif found is None:
+            clash = sorted(name for name in writes if (out / name).exists())
+            if clash:
+                raise RunFolderError(
+                    f"--out {out} is not a loca run folder and already holds {', '.join(clash)}, which "
+                    f"`loca {command}` would replace; choose a new or empty folder"
+                )
     try:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / MARKER, {"command": command})

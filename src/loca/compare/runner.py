@@ -16,11 +16,11 @@ from pathlib import Path
 
 from ..bench import PeakMemory
 from ..config import PRESETS, LocaConfig, option
-from ..data import encode_examples, get_task, load_splits, make_batches
+from ..data import degenerate_warnings, encode_examples, get_task, load_splits, make_batches
 from ..data.batching import pad_token_id
 from ..io import atomic_write_json
 from ..metrics import evaluate
-from ..models import ModelParts, find_parts, fingerprint, load_model
+from ..models import ModelParts, context_length, find_parts, fingerprint, load_model
 from ..versions import versions
 from .methods import (
     METHODS,
@@ -154,6 +154,11 @@ def run_compare(
     tasks = [get_task(t) for t in settings.tasks]
     model_obj, tokenizer = load_model(model, device=device, dtype=dtype)
     parts = find_parts(model_obj)
+    limit = context_length(model_obj)
+    if limit is not None and configs.loca.max_length > limit:
+        log(f"warning: max_length {configs.loca.max_length} exceeds the model's context of {limit} "
+            f"tokens; using {limit}")  # fmt: skip
+        configs = replace(configs, loca=replace(configs.loca, max_length=limit))
     base = {
         "model": model,
         "fingerprint": fingerprint(parts),
@@ -177,6 +182,8 @@ def run_compare(
                 task, n_train=settings.n_train, n_heldout=settings.n_heldout, n_test=settings.n_test,
                 seed=seed, data_dir=data_dir,
             )  # fmt: skip
+            for message in degenerate_warnings(splits):
+                log(f"warning: {task.name} seed {seed}: {message}")
             cell_base = {
                 **base, "task": task.describe(), "seed": seed, "splits_sha256": digest(splits.record)
             }

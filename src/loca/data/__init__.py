@@ -10,7 +10,7 @@ from .sources import (
     load_local,
     load_task_split,
 )
-from .splits import Splits, load_splits, load_test
+from .splits import Splits, degenerate_warnings, load_splits, load_test
 from .tasks import TASKS, HubSpec, Task, TemplateError, get_task
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "get_task",
     "hub_row_to_example",
     "load_local",
+    "degenerate_warnings",
     "load_splits",
     "load_task_split",
     "load_test",

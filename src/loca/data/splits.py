@@ -106,6 +106,27 @@ class Splits:
     record: dict = field(default_factory=dict)
 
 
+def degenerate_warnings(splits: Splits) -> list[str]:
+    """What makes a task's numbers misleading: examples with one choice (ranking accuracy is 1
+    for them), repeated choice texts (a tie decided by order), and test examples whose question
+    and passage also occur in the training or held-out examples."""
+    out = []
+    parts = {"train": splits.train, "held-out": splits.heldout, "test": splits.test}
+    for name, examples in parts.items():
+        single = sum(len(ex.choices) < 2 for ex in examples)
+        if single:
+            out.append(f"{single} {name} example(s) have a single choice: their ranking accuracy is always 1")
+        repeated = sum(len(set(ex.choices)) < len(ex.choices) for ex in examples)
+        if repeated:
+            out.append(f"{repeated} {name} example(s) repeat a choice text: a tie that the order decides")
+    seen = {(ex.question, ex.passage) for ex in splits.train + splits.heldout}
+    overlap = sum((ex.question, ex.passage) in seen for ex in splits.test)
+    if overlap:
+        out.append(f"{overlap} test example(s) have the same question and passage as a training or "
+                   "held-out example: test numbers overstate generalisation")  # fmt: skip
+    return out
+
+
 @dataclass
 class _Pools:
     pool: list[Example]

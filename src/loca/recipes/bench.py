@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
     if not phases:
         raise ValueError(f"--phases names no phase; choose from {PHASES}")
-    prepare_run_dir(args.out, "bench", model=args.model, overwrite=args.overwrite)
+    prepare_run_dir(args.out, "bench", model=args.model, overwrite=args.overwrite, writes=("bench.json",))
     run = setup_run(args)
     cfg, model, parts, task = run.cfg, run.model, run.parts, run.task
     items = run.encode(run.splits.train)

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass, fields
+import sys
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 from ..calibrate import Calibrator
 from ..config import PRESETS, LocaConfig
-from ..data import Batch, Encoded, Splits, Task, encode_examples, get_task, load_splits, make_batches
+from ..data import (
+    Batch,
+    Encoded,
+    Splits,
+    Task,
+    degenerate_warnings,
+    encode_examples,
+    get_task,
+    load_splits,
+    make_batches,
+)  # fmt: skip
 from ..data.batching import pad_token_id
-from ..models import ModelParts, find_parts, load_model
+from ..models import ModelParts, context_length, find_parts, load_model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # Where local data is looked for when neither --data-dir nor $LOCA_DATA_DIR is given: a
@@ -173,9 +184,23 @@ class RunSetup:
         return Calibrator(self.parts, train, heldout, self.cfg, self.pad_id)
 
 
+def warn(message: str) -> None:
+    """A warning line on stderr (the run goes on)."""
+    print(f"loca: warning: {message}", file=sys.stderr)
+
+
+def fit_to_context(cfg: LocaConfig, model) -> LocaConfig:
+    """``cfg`` with ``max_length`` clamped to the model's context length, saying so."""
+    limit = context_length(model)
+    if limit is not None and cfg.max_length > limit:
+        warn(f"--max-length {cfg.max_length} exceeds the model's context of {limit} tokens; using {limit}")
+        return replace(cfg, max_length=limit)
+    return cfg
+
+
 def setup_run(args: argparse.Namespace) -> RunSetup:
     """Parse the config, load the task's splits (before the model: data errors come first), then
-    load the model."""
+    load the model; warn about degenerate data and clamp ``max_length`` to the model's context."""
     cfg = config_from_args(args)
     task = get_task(args.task, template=args.template)
     data_dir = resolve_data_dir(args.data_dir)
@@ -183,7 +208,10 @@ def setup_run(args: argparse.Namespace) -> RunSetup:
         task, n_train=args.n_train, n_heldout=args.n_heldout, n_test=args.n_test, seed=cfg.seed,
         data_dir=data_dir,
     )  # fmt: skip
-    return RunSetup(cfg, task, splits, data_dir, *setup_model(args))
+    for message in degenerate_warnings(splits):
+        warn(f"task {task.name!r}: {message}")
+    model, tokenizer, parts = setup_model(args)
+    return RunSetup(fit_to_context(cfg, model), task, splits, data_dir, model, tokenizer, parts)
 
 
 def setup_model(args: argparse.Namespace):

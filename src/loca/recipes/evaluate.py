@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 from ..config import LocaConfig
-from ..data import get_task, load_test
+from ..data import Splits, degenerate_warnings, get_task, load_test
 from ..io import atomic_write_json
 from ..metrics import evaluate
-from ..models import fingerprint
+from ..models import context_length, fingerprint
 from ..runs import prepare_run_dir, require_finite
 from ..versions import versions
-from .common import add_model_args, resolve_data_dir, setup_model
+from .common import add_model_args, resolve_data_dir, setup_model, warn
 
 _DEFAULTS = LocaConfig()
 
@@ -61,12 +61,21 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.max_length < 2 or args.batch_size < 1:
         raise ValueError("--max-length must be at least 2 and --batch-size at least 1")
-    prepare_run_dir(args.out, "evaluate", model=args.model, overwrite=args.overwrite)
+    prepare_run_dir(
+        args.out, "evaluate", model=args.model, overwrite=args.overwrite, writes=("results.json",)
+    )
     task = get_task(args.task, template=args.template)
     data_dir = resolve_data_dir(args.data_dir)
     examples, record = load_test(task, n_test=args.n_test, seed=args.seed, data_dir=data_dir)
     add_eos = task.add_eos if args.add_eos is None else args.add_eos
     model, tokenizer, parts = setup_model(args)
+    limit = context_length(model)
+    if limit is not None and args.max_length > limit:
+        warn(f"--max-length {args.max_length} exceeds the model's context of {limit} tokens; using {limit}")
+        args.max_length = limit
+    probe = Splits(train=[], heldout=[], test=examples)
+    for message in degenerate_warnings(probe):
+        warn(f"task {task.name!r}: {message}")
     adapters = None
     if args.adapter:
         from ..adapters import ResidualAdapters
@@ -99,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         "wall_time_s": time.perf_counter() - start,
     }
     print(format_metrics(task.name, args.model, metrics, adapter=args.adapter))
+    if metrics["n_truncated"]:
+        warn(f"{metrics['n_truncated']} of {metrics['n_test']} prompts were cut from the left to fit "
+             f"--max-length {args.max_length}; their question may be lost")  # fmt: skip
     out = Path(args.out) / "results.json"
     require_finite(metrics, "the evaluation")
     atomic_write_json(out, results)

@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from ..adapters import ResidualAdapters
-from ..calibrate import FeedbackMaps
+from ..adapters import ADAPTER_CONFIG, ResidualAdapters
+from ..calibrate import MAPS_CONFIG, Calibrator, FeedbackMaps
+from ..config import LocaConfig
 from ..data import padding_fraction
+from ..data.encoding import count_truncated
 from ..fit import fit
-from ..io import atomic_write_json, atomic_write_text
+from ..io import atomic_write_json, atomic_write_text, is_artefact
 from ..metrics import evaluate
 from ..models import fingerprint
-from ..runs import prepare_run_dir, require_finite
+from ..runs import prepare_run_dir, require_finite, run_command
 from ..versions import versions
-from .common import add_config_args, add_data_args, add_model_args, setup_run
+from .common import add_config_args, add_data_args, add_model_args, dataclass_from_args, setup_run, warn
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,12 +49,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = Path(args.out) if args.out else None
+    if args.maps:
+        given = sorted(STAGE_I & set(dataclass_from_args(LocaConfig, args, build=False)))
+        if given:
+            flags = ", ".join("--" + g.replace("_", "-") for g in given)
+            raise ValueError(f"{flags} configure calibration and do not apply with --maps (the maps are "
+                             "already calibrated); drop them or calibrate again")  # fmt: skip
     if out:
-        prepare_run_dir(out, "fit", model=args.model, overwrite=args.overwrite)
+        rerun = run_command(out) == "fit"
+        prepare_run_dir(out, "fit", model=args.model, overwrite=args.overwrite, writes=WRITES)
+        if rerun:
+            _clear_previous_run(out)
     run = setup_run(args)
     cfg, task, splits, parts, tokenizer = run.cfg, run.task, run.splits, run.parts, run.tokenizer
+    maps = FeedbackMaps.from_pretrained(args.maps, parts) if args.maps else None
+    if maps is not None:  # record what calibrated the maps, not the flags' defaults
+        cfg = replace(cfg, feedback_rank=maps.rank, beta_rel=maps.meta.get("beta_rel", cfg.beta_rel))
     train_items, heldout_items = run.encode(splits.train), run.encode(splits.heldout)
     train, heldout = run.batches(train_items), run.batches(heldout_items)
+    truncated = {
+        "train": count_truncated(tokenizer, task, splits.train, train_items),
+        "heldout": count_truncated(tokenizer, task, splits.heldout, heldout_items),
+    }
+    for name, n in truncated.items():
+        if n:
+            total = len(train_items if name == "train" else heldout_items)
+            warn(f"{n} of {total} {name} prompts were cut from the left to fit --max-length "
+                 f"{cfg.max_length}; their question may be lost")  # fmt: skip
 
     run_config = {
         "command": "fit",
@@ -68,10 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if out:
         atomic_write_json(out / "config.json", run_config)
 
-    calibrator = run.calibrator(train_items, heldout_items)
-    if args.maps:
-        maps = FeedbackMaps.from_pretrained(args.maps, parts)
-    else:
+    calibrator = Calibrator(parts, train_items, heldout_items, cfg, run.pad_id)
+    if maps is None:
         t0 = time.perf_counter()
         maps = calibrator.calibrate()
         maps.meta["calibration_time_s"] = time.perf_counter() - t0
@@ -99,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         parts, maps, train, heldout, cfg, calibrator=calibrator, on_iteration=on_iteration,
         on_improve=on_improve, progress=not args.quiet,
     )  # fmt: skip
-    if not result.improved:
+    if cfg.max_iters == 0:
+        print("LoCA: --max-iters 0 runs no Stage II iteration; returning the frozen model (B = 0)")
+    elif not result.improved:
         print("LoCA: no candidate beat the frozen model on held-out CE; returning the frozen model (B = 0)")
         if out:
             result.adapters.save_pretrained(out / "adapter", extra={"selection": None, "task": task.name})
@@ -124,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         "recalibration_time_s": result.recalibration_time_s,
         "alignment": align,
         "padding_fraction": {"train": padding_fraction(train), "heldout": padding_fraction(heldout)},
+        "truncated_prompts": {**truncated, "test": loca_test["n_truncated"]},
         "fit_wall_time_s": result.wall_time_s,
         "wall_time_s": time.perf_counter() - start,
     }
@@ -135,6 +161,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("no --out given: the adapters and maps were not saved")
     return 0
+
+
+WRITES = ("config.json", "history.jsonl", "results.json", "adapter", "maps")
+# LoCA flags that only calibration uses (refused with --maps)
+STAGE_I = {"feedback_rank", "beta_rel", "probe_positions", "probe_micro_batch", "calibration_rounds",
+           "calibration_round_iters"}  # fmt: skip
+
+
+def _clear_previous_run(out: Path) -> None:
+    """Remove an earlier fit's results from ``out`` (after --overwrite), so that a failed rerun
+    never leaves a config describing another run than the results beside it."""
+    for name in ("results.json", "history.jsonl", "config.json"):
+        (out / name).unlink(missing_ok=True)
+    for sub, cfg_file, fmt in (("adapter", ADAPTER_CONFIG, "loca-adapter"),
+                               ("maps", MAPS_CONFIG, "loca-feedback-maps")):  # fmt: skip
+        if is_artefact(out / sub, cfg_file, fmt):
+            shutil.rmtree(out / sub)
 
 
 def _row(heldout_ce: float, test: dict) -> dict:
