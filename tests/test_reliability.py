@@ -84,6 +84,8 @@ def test_json_is_strict(tmp_path):
 def test_run_folder_rules(tmp_path, setup):
     root, _ = setup
     assert prepare_run_dir(tmp_path / "new", "fit").is_dir()
+    prepare_run_dir(tmp_path / "new", "fit")  # a run that wrote nothing does not block a rerun
+    (tmp_path / "new" / "results.json").write_text("{}")
     with pytest.raises(RunFolderError, match="already holds a `loca fit` run"):
         prepare_run_dir(tmp_path / "new", "fit")
     prepare_run_dir(tmp_path / "new", "fit", overwrite=True)
@@ -128,6 +130,8 @@ def test_commands_refuse_user_folders_and_model_folders(setup, tmp_path, capsys)
         ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
          "--template", TEMPLATE, "--device", "cpu", "--out", str(mine)],
         ["bench", *common, "--n-train", "8", "--phases", "forward", "--out", str(mine)],
+        ["compare", "--model", str(root / "model"), "--device", "cpu", "--tasks", "sst2", "--out", str(mine)],
+        ["compare", "--out", str(mine), "--report-only"],
     ]  # fmt: skip
     for argv in cases:
         capsys.readouterr()
@@ -299,3 +303,41 @@ def test_overwrite_never_replaces_a_users_file_of_the_same_name(setup, tmp_path,
     assert (mine / "config.json").read_text() == "my own config"
     bench = ["bench", *common, "--n-train", "8", "--phases", ",", "--out", str(tmp_path / "b")]
     assert main(bench) == 2 and "names no phase" in capsys.readouterr().err
+
+
+def test_sigterm_leaves_a_consistent_best_snapshot(setup, tmp_path):
+    """A real `loca fit` process killed mid-fit: the adapter on disk is a complete snapshot that
+    loads and matches the model, and the run folder is still recognised as a fit run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from loca.adapters import ResidualAdapters
+    from loca.models import find_parts, load_model
+
+    root, common = setup
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "loca", "fit", *common, "--n-train", "12", "--n-heldout", "6",
+            "--n-test", "4", "--max-iters", "400", "--patience", "400", "--quiet",
+            "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (out / "adapter" / "adapter_config.json").exists() and time.time() < deadline:
+            assert proc.poll() is None, "loca fit ended before its first snapshot"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143  # the CLI turns SIGTERM into an orderly stop
+    model, _ = load_model(str(root / "model"), device="cpu")
+    adapters = ResidualAdapters.from_pretrained(find_parts(model), out / "adapter")
+    assert adapters.norm() > 0
+    assert not list(out.glob(".adapter*")) and not list(out.glob(".*.tmp"))  # no temporaries left
+    from loca.runs import run_command
+
+    assert run_command(out) == "fit"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # subcommand -> recipe module under loca.recipes
@@ -41,11 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. An error ends in one line on stderr (exit 2 for bad input, 1 for any
     other failure); ``loca --debug ...`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except Exception as exc:
         if args.debug:
             raise
@@ -55,3 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"(loca --debug {args.command} ... shows the traceback)"
         print(f"loca {args.command}: error: {kind}{text} {hint}", file=sys.stderr)
         return 2 if bad_input else 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like Ctrl-C so that every ``finally`` runs: the best snapshot is restored
+    and no temporary folder is left behind."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()

@@ -5,25 +5,47 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 
+@contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the body has finished, then deliver them: a file swap and its
+    clean-up are never cut half-way. (Main thread only; elsewhere signals cannot be handled.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in wanted}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in received:
+            signal.raise_signal(s)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with deferred_signals():
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def atomic_write_json(path: str | Path, obj) -> None:
@@ -78,16 +100,18 @@ def atomic_dir(directory: str | Path, config_file: str, fmt: str | None) -> Iter
     old = directory.with_name(f".{directory.name}.old")
     try:
         yield tmp
-        if not directory.exists():
-            os.replace(tmp, directory)
-            return
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-        try:
-            os.replace(tmp, directory)
-        except BaseException:
-            os.replace(old, directory)  # put the previous artefact back
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+        with deferred_signals():  # the swap and its clean-up run to the end
+            if not directory.exists():
+                os.replace(tmp, directory)
+                return
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            try:
+                os.replace(tmp, directory)
+            except BaseException:
+                os.replace(old, directory)  # put the previous artefact back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with deferred_signals():
+            shutil.rmtree(tmp, ignore_errors=True)

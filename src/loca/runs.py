@@ -70,7 +70,8 @@ def prepare_run_dir(
     if out.exists() and not out.is_dir():
         raise RunFolderError(f"--out {out} exists and is not a folder")
     refuse_model_folder(out, model)
-    if out.is_dir() and any(out.iterdir()):
+    # a folder holding only the marker is a run that failed before writing anything
+    if out.is_dir() and any(p.name != MARKER for p in out.iterdir()):
         found = run_command(out)
         if found == command and resumable:
             pass
