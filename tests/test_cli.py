@@ -60,7 +60,8 @@ def test_fit_writes_config_history_results_adapter_and_maps(setup, capsys):
 def test_calibrate_then_forward_only_fit_then_evaluate(setup):
     root, common = setup
     assert (
-        main(["calibrate", *common, "--n-train", "16", "--n-heldout", "8", "--out", str(root / "maps")]) == 0
+        main(["calibrate", *common[:-4], "--feedback-rank", "4", "--n-train", "16", "--n-heldout", "8",
+              "--out", str(root / "maps")]) == 0
     )
     out = root / "fit2"
     stage2 = common[:-2]  # without --feedback-rank 4
@@ -87,7 +88,8 @@ def test_maps_from_another_checkpoint_are_refused(setup, capsys):
     other.save_pretrained(root / "other")
     tiny_tokenizer().save_pretrained(root / "other")
     if not (root / "maps").exists():
-        main(["calibrate", *common, "--n-train", "16", "--n-heldout", "8", "--out", str(root / "maps")])
+        main(["calibrate", *common[:-4], "--feedback-rank", "4", "--n-train", "16", "--n-heldout", "8",
+              "--out", str(root / "maps")])
     args = ["fit", "--model", str(root / "other"), *common[2:-2], "--maps", str(root / "maps")]
     assert main([*args, "--n-train", "16", "--n-heldout", "8", "--n-test", "4", "--quiet"]) == 2
     assert "another checkpoint" in capsys.readouterr().err

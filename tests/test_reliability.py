@@ -125,8 +125,8 @@ def test_commands_refuse_user_folders_and_model_folders(setup, tmp_path, capsys)
     cases = [
         ["fit", *common, *small, "--out", str(mine)],
         ["fit", *common, *small, "--out", str(root / "model")],
-        ["calibrate", *common, "--n-train", "8", "--n-heldout", "4", "--out", str(mine)],
-        ["calibrate", *common, "--n-train", "8", "--n-heldout", "4", "--out", str(root / "model")],
+        ["calibrate", *common[:-4], "--n-train", "8", "--n-heldout", "4", "--out", str(mine)],
+        ["calibrate", *common[:-4], "--n-train", "8", "--n-heldout", "4", "--out", str(root / "model")],
         ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
          "--template", TEMPLATE, "--device", "cpu", "--out", str(mine)],
         ["bench", *common, "--n-train", "8", "--phases", "forward", "--out", str(mine)],
@@ -341,3 +341,33 @@ def test_sigterm_leaves_a_consistent_best_snapshot(setup, tmp_path):
     from loca.runs import run_command
 
     assert run_command(out) == "fit"
+
+
+def test_flags_that_do_not_apply_are_refused(setup, tmp_path, capsys):
+    root, common = setup
+    argv = ["calibrate", *common, "--n-train", "8", "--n-heldout", "4", "--out", str(tmp_path / "m")]
+    assert main(argv) == 2 and "--rank configure Stage II" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_full_disk_at_the_end_loses_no_metrics(setup, tmp_path, capsys, monkeypatch):
+    """Writing results.json fails with ENOSPC (simulated): the metrics are on screen, the error is
+    one line, and no partial file is left."""
+    import errno
+
+    import loca.recipes.evaluate as ev_mod
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ev_mod, "atomic_write_json", full)
+    root, _ = setup
+    argv = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
+            "--template", TEMPLATE, "--device", "cpu", "--n-test", "4",
+            "--out", str(tmp_path / "ev")]  # fmt: skip
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "test CE" in captured.out and "acc" in captured.out
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "No space left" in errors[0] and "results.json" in errors[0]
+    assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == [".loca-run.json"]

@@ -14,9 +14,10 @@ import argparse
 from pathlib import Path
 
 from ..calibrate import MAPS_CONFIG
+from ..config import LocaConfig
 from ..io import ensure_replaceable
 from ..runs import refuse_model_folder
-from .common import add_config_args, add_data_args, add_model_args, setup_run
+from .common import add_config_args, add_data_args, add_model_args, dataclass_from_args, setup_run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +27,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for feedback_maps.safetensors + feedback_config.json")
 
 
+# LoCA flags that only Stage II uses: with one calibration round there is no fit to configure
+STAGE_II = {"etas", "lam_rel", "ridge_center", "step_scale", "step_control", "eta_grow", "eta_shrink",
+            "a_init", "recalibrate_every", "alignment_every", "max_iters", "patience", "groups",
+            "rank"}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
+    given = set(dataclass_from_args(LocaConfig, args, build=False))
+    if getattr(args, "calibration_rounds", 1) == 1 and given & STAGE_II:
+        flags = ", ".join("--" + g.replace("_", "-") for g in sorted(given & STAGE_II))
+        raise ValueError(f"{flags} configure Stage II and do not apply to `loca calibrate` (with "
+                         "--calibration-rounds 2 or more they configure the calibration's short "
+                         "fits)")  # fmt: skip
     refuse_model_folder(Path(args.out), args.model)
     ensure_replaceable(Path(args.out), MAPS_CONFIG, "loca-feedback-maps")  # before the work
     run = setup_run(args)
