@@ -130,5 +130,9 @@ def test_random_init_needs_only_config_and_tokenizer(setup, tmp_path):
 
 
 def test_a_missing_model_is_a_clear_error(tmp_path, capsys):
-    assert main(["fit", "--model", str(tmp_path / "nowhere"), "--quiet", "--n-train", "4"]) == 2
+    rows = [{"id": f"x{i}", "question": f"q {i}", "choices": ["a", "b"], "label": i % 2} for i in range(40)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = ["--task", str(tmp_path / "t.jsonl"), "--template", "{question}", "--n-test", "4",
+            "--n-heldout", "4"]  # fmt: skip
+    assert main(["fit", "--model", str(tmp_path / "nowhere"), *data, "--quiet", "--n-train", "4"]) == 2
     assert "could not load model" in capsys.readouterr().err

@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 from dataclasses import MISSING, dataclass, fields, replace
-from pathlib import Path
 
 from ..calibrate import Calibrator
 from ..config import PRESETS, LocaConfig
@@ -22,13 +21,10 @@ from ..data import (
     make_batches,
 )  # fmt: skip
 from ..data.batching import pad_token_id
+from ..data.sources import DATA_DIR_ENV
 from ..models import ModelParts, context_length, find_parts, load_model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# Where local data is looked for when neither --data-dir nor $LOCA_DATA_DIR is given: a
-# `shared/data` folder beside the working directory or beside the project checkout (for an
-# editable install), if present; else the HF hub is used.
-SIBLING_DATA = (Path("../shared/data"), Path(__file__).resolve().parents[3].parent / "shared" / "data")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -64,8 +60,8 @@ def add_data_args(p: argparse.ArgumentParser, *, n_train: int, n_heldout: int, n
     g.add_argument(
         "--data-dir",
         default=None,
-        help="folder of task folders in the shared/data schema (default: $LOCA_DATA_DIR, "
-        "else ../shared/data if present, else the HF hub)",
+        help="folder of task folders in loca's JSON Lines schema (default: $LOCA_DATA_DIR, else the "
+        "HF hub)",
     )
     g.add_argument("--n-train", type=int, default=n_train, help="training examples")
     g.add_argument("--n-heldout", type=int, default=n_heldout, help="held-out examples (selection)")
@@ -73,11 +69,9 @@ def add_data_args(p: argparse.ArgumentParser, *, n_train: int, n_heldout: int, n
 
 
 def resolve_data_dir(arg: str | None) -> str | None:
-    if arg:
-        return arg
-    if os.environ.get("LOCA_DATA_DIR"):
-        return os.environ["LOCA_DATA_DIR"]
-    return next((str(p) for p in SIBLING_DATA if p.is_dir()), None)
+    """``--data-dir``, else ``$LOCA_DATA_DIR``, else None (the Hugging Face hub): recorded in run
+    configs as given. Nothing else is searched."""
+    return arg or os.environ.get(DATA_DIR_ENV) or None
 
 
 def add_dataclass_args(

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--data-dir", default=None,
-                   help="folder of task folders (default: $LOCA_DATA_DIR, else ../shared/data if present)")
+                   help="folder of task folders (default: $LOCA_DATA_DIR, else the HF hub)")
     p.add_argument("--out", required=True, help="comparison folder (resumable)")
     p.add_argument("--report-only", action="store_true",
                    help="only redraw results/tables/plots from the cells stored in --out")

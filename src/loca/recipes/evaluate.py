@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--template", default=None,
                    help="prompt template with {question} and optionally {passage}")
     g.add_argument("--data-dir", default=None,
-                   help="folder of task folders in the shared/data schema (default: "
-                        "$LOCA_DATA_DIR, else ../shared/data if present, else the HF hub)")
+                   help="folder of task folders in loca's JSON Lines schema (default: "
+                        "$LOCA_DATA_DIR, else the HF hub)")
     g.add_argument("--n-test", type=int, default=0,
                    help="test examples, a seeded sample (0: the whole test split)")
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed,

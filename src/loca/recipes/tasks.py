@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="show one task (a registry name, or a JSON Lines file with --template)")
     p.add_argument("--template", default=None, help="prompt template to show instead")
     p.add_argument("--data-dir", default=None,
-                   help="folder of task folders (default: $LOCA_DATA_DIR, else ../shared/data "
-                        "if present); used for the example and the split policy")
+                   help="folder of task folders (default: $LOCA_DATA_DIR, else the HF hub); used for "
+                        "the example and the split policy")
 
 
 def _one_line(template: str) -> str:
