@@ -395,3 +395,23 @@ def test_install_alias_from_a_local_gguf_checks_its_sha256(tmp_path, monkeypatch
     with pytest.raises(zoo.ChecksumError, match="sha256 mismatch"):
         zoo.install_alias_from_gguf("smollm2-135m-instruct", fake)
     assert not zoo.alias_dir("smollm2-135m-instruct").exists()
+
+
+def test_alias_special_tokens_are_pinned_whatever_the_converter_picked():
+    """The GGUF loader's choice of special tokens differs between transformers releases; the
+    alias conversion sets them, and the model's config and generation config ids, explicitly."""
+    from tiny import tiny_model, tiny_tokenizer
+
+    from loca.zoo import ALIASES, pin_special_tokens
+
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    other = tok.convert_ids_to_tokens(5)
+    ids = pin_special_tokens(tok, model, (("eos_token", other), ("pad_token", other)))
+    assert tok.eos_token == other and tok.eos_token_id == 5 == model.config.eos_token_id
+    assert model.generation_config.eos_token_id == 5 and model.config.pad_token_id == 5
+    assert ids == {"eos_token_id": 5, "pad_token_id": 5}
+    with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
+        pin_special_tokens(tok, model, (("eos_token", "<|no such token|>"),))
+    for spec in ALIASES.values():  # every built-in alias pins at least its EOS
+        assert dict(spec.special_tokens).get("eos_token")

@@ -51,6 +51,10 @@ class AliasSpec:
     gguf_file: str
     sha256: str
     approx_download_mb: int
+    # The special tokens the alias must have. The GGUF loader of transformers picks them from the
+    # file's metadata, and releases disagree (5.17 gives SmolLM2 another EOS than 5.24), which would
+    # change every CE that counts EOS; pinning them makes the converted alias the same everywhere.
+    special_tokens: tuple[tuple[str, str], ...] = ()
 
 
 ALIASES: dict[str, AliasSpec] = {
@@ -63,6 +67,8 @@ ALIASES: dict[str, AliasSpec] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             approx_download_mb=93,
+            special_tokens=(("eos_token", "<|im_end|>"), ("bos_token", "<|im_start|>"),
+                            ("pad_token", "<|im_end|>"), ("unk_token", "<|endoftext|>")),  # fmt: skip
         ),
         AliasSpec(
             name="qwen2.5-coder-0.5b-instruct",
@@ -74,6 +80,8 @@ ALIASES: dict[str, AliasSpec] = {
             gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             approx_download_mb=400,
+            special_tokens=(("eos_token", "<|im_end|>"), ("bos_token", "<|endoftext|>"),
+                            ("pad_token", "<|endoftext|>")),  # fmt: skip
         ),
     )
 }
@@ -209,8 +217,29 @@ def fetch_gguf(spec: AliasSpec, work: Path) -> Path:
     return target
 
 
-def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:
-    """Load a GGUF checkpoint (dequantized to float32) and save it as an ordinary HF folder."""
+def pin_special_tokens(tokenizer, model, tokens: tuple[tuple[str, str], ...]) -> dict[str, int]:
+    """Set the tokenizer's special tokens to ``tokens`` (``(attribute, token text)`` pairs) and the
+    model's config and generation config ids to match; return the ids. Every token must be in the
+    vocabulary."""
+    ids = {}
+    for attr, text in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if token_id is None or tokenizer.convert_ids_to_tokens(token_id) != text:
+            raise ValueError(f"special token {text!r} ({attr}) is not in the tokenizer's vocabulary")
+        setattr(tokenizer, attr, text)
+        ids[attr.replace("_token", "_token_id")] = token_id
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        if cfg is None:
+            continue
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            if key in ids:
+                setattr(cfg, key, ids[key])
+    return ids
+
+
+def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path, special_tokens=()) -> dict[str, int]:
+    """Load a GGUF checkpoint (dequantized to float32) and save it as an ordinary HF folder, with
+    the special tokens pinned (:func:`pin_special_tokens`); return their ids."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -220,9 +249,23 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:
     if quantizer is not None:
         # transformers 5: a GGUF-loaded model refuses save_pretrained until this is removed.
         quantizer.remove_quantization_config(model)
+    ids = pin_special_tokens(tokenizer, model, tuple(special_tokens))
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     del model
+    return ids
+
+
+def _converter_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("transformers", "gguf", "tokenizers", "torch"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
 
 
 def _make_readable(folder: Path) -> None:
@@ -238,9 +281,11 @@ def _make_readable(folder: Path) -> None:
 def _convert_into(spec: AliasSpec, gguf: Path, target: Path) -> None:
     _log(f"sha256 ok; converting {spec.gguf_file} to float32 safetensors")
     with atomic_dir(target, MARKER, None) as tmp:  # any earlier conversion of this alias
-        convert_gguf(gguf.parent, gguf.name, tmp)
+        ids = convert_gguf(gguf.parent, gguf.name, tmp, spec.special_tokens)
         marker = {
             "format": "loca-alias",
+            "special_tokens": {**dict(spec.special_tokens), **ids},
+            "converter": _converter_versions(),
             "alias": spec.name,
             "description": spec.description,
             "source": [f"{p}=={v}:{m}" for p, v, m in spec.wheels],
