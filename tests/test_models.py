@@ -325,10 +325,11 @@ def test_ensure_alias_converts_once(tmp_path, monkeypatch):
     monkeypatch.setitem(zoo.ALIASES, spec.name, spec)
     converted = []
 
-    def fake_convert(gguf_dir, gguf_file, out_dir):
+    def fake_convert(gguf_dir, gguf_file, out_dir, special_tokens=()):
         assert (gguf_dir / gguf_file).read_bytes() == b"abc"
         (out_dir / "config.json").write_text("{}")
         converted.append(out_dir)
+        return {"eos_token_id": 2}
 
     monkeypatch.setattr(zoo, "convert_gguf", fake_convert)
     path = zoo.ensure_alias(spec.name)
