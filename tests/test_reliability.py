@@ -371,3 +371,13 @@ def test_a_full_disk_at_the_end_loses_no_metrics(setup, tmp_path, capsys, monkey
     errors = [line for line in captured.err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "No space left" in errors[0] and "results.json" in errors[0]
     assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == [".loca-run.json"]
+
+
+def test_a_single_test_example_has_undefined_standard_errors_not_an_error(setup, tmp_path):
+    root, _ = setup
+    argv = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
+            "--template", TEMPLATE, "--device", "cpu", "--n-test", "1",
+            "--out", str(tmp_path / "ev")]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert results["acc_stderr"] is None and results["test_ce"] > 0

@@ -105,12 +105,22 @@ def prepare_run_dir(
 
 
 def require_finite(metrics: dict, what: str) -> None:
-    """Raise ValueError naming the metrics of ``what`` that are NaN or infinite."""
+    """Raise ValueError naming the metrics of ``what`` that are NaN or infinite (a standard error
+    is undefined, not wrong, for a single example: see :func:`undefined_as_none`)."""
     import math
 
-    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    bad = [k for k, v in metrics.items()
+           if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_stderr")]  # fmt: skip
     if bad:
         raise ValueError(
             f"{what} produced non-finite {', '.join(bad)}: the model or adapters give NaN/Inf "
             "logits (check the weights, the adapter file and the dtype); nothing was written"
         )
+
+
+def undefined_as_none(metrics: dict) -> dict:
+    """``metrics`` with undefined (non-finite) standard errors as None, for strict JSON."""
+    import math
+
+    return {k: None if k.endswith("_stderr") and isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in metrics.items()}  # fmt: skip

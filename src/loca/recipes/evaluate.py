@@ -21,7 +21,7 @@ from ..data import Splits, degenerate_warnings, get_task, load_test
 from ..io import atomic_write_json
 from ..metrics import evaluate
 from ..models import context_length, fingerprint
-from ..runs import prepare_run_dir, require_finite
+from ..runs import prepare_run_dir, require_finite, undefined_as_none
 from ..versions import versions
 from .common import add_model_args, resolve_data_dir, setup_model, warn
 
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         if adapters is not None:
             adapters.detach()
     results = {
-        **metrics,  # test_ce, test_ce_no_eos, acc, acc_norm, n_test, ... at the top level
+        **undefined_as_none(metrics),  # test_ce, test_ce_no_eos, acc, acc_norm, n_test, ... at the top level
         "command": "evaluate",
         "model": args.model,
         "dtype": args.dtype,
