@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from .adapters import check_fingerprint, read_json_object, read_safetensors
 from .config import LocaConfig
@@ -95,7 +96,7 @@ class FeedbackMaps:
 
 
 def probe_gradients(
-    parts: ModelParts, items: Sequence[Encoded], micro_batch: int, pad_id: int
+    parts: ModelParts, items: Sequence[Encoded], micro_batch: int, pad_id: int, progress: bool = False
 ) -> tuple[Tensor, list[Tensor]]:
     """Head errors E (N×d) and true block-output gradients G_l (N×d) at every predict position.
 
@@ -107,7 +108,8 @@ def probe_gradients(
     errors: list[Tensor] = []
     grads: list[list[Tensor]] = [[] for _ in parts.blocks]
     embed = parts.model.get_input_embeddings()
-    for batch in make_batches(items, pad_id, batch_size=micro_batch):
+    batches = make_batches(items, pad_id, batch_size=micro_batch)
+    for batch in tqdm(batches, desc="calibrate", unit="micro-batch", disable=not progress, leave=False):
         b = batch.to(parts.device)
         captured: dict[int, Tensor] = {}
         make_hook = partial(_grad_capture_hook, captured, b.pos_b, b.pos_t)
@@ -177,6 +179,7 @@ def calibrate(
     pad_id: int = 0,
     seed: int = 0,
     pool: list[tuple[Tensor, list[Tensor]]] | None = None,
+    progress: bool = False,
 ) -> FeedbackMaps:
     """Fit every block's feedback map from one probe pass and report alignment diagnostics.
 
@@ -192,7 +195,7 @@ def calibrate(
     was_training = parts.model.training
     parts.model.eval()
     try:
-        errors, grads = probe_gradients(parts, probe, micro_batch, pad_id)
+        errors, grads = probe_gradients(parts, probe, micro_batch, pad_id, progress)
         if pool is None:
             factors = feedback_factors(errors, grads, beta_rel, rank)
         else:
@@ -243,8 +246,8 @@ class Calibrator:
     same object serves the first calibration and any re-calibration during a fit."""
 
     def __init__(self, parts: ModelParts, train: Sequence[Encoded], heldout: Sequence[Encoded], cfg,
-                 pad_id: int):  # fmt: skip
-        self.parts, self.cfg, self.pad_id = parts, cfg, pad_id
+                 pad_id: int, progress: bool = False):  # fmt: skip
+        self.parts, self.cfg, self.pad_id, self.progress = parts, cfg, pad_id, progress
         self.train, self.heldout = list(train), list(heldout)
         self.probe = select_probe(train, cfg.probe_positions, cfg.seed)
         self.heldout_probe = (
@@ -286,6 +289,7 @@ class Calibrator:
         return calibrate(
             self.parts, self.probe, self.heldout_probe, rank=cfg.feedback_rank, beta_rel=cfg.beta_rel,
             micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id, seed=cfg.seed, pool=pool,
+            progress=self.progress,
         )  # fmt: skip
 
     def heldout_alignment(self, maps: FeedbackMaps) -> list[float]:

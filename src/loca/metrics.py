@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from .data.batching import Batch
 from .head import head_loss_and_error
@@ -316,8 +317,10 @@ def evaluate(
     max_length: int,
     batch_size: int,
     add_eos: bool,
+    progress: bool = False,
 ) -> dict:
-    """CE over gold completion tokens (with and without EOS) and ranking accuracy on ``examples``.
+    """CE over gold completion tokens (with and without EOS) and ranking accuracy on ``examples``
+    (``progress``: a progress bar over the batches).
 
     Runs the model as it currently is (with whatever adapters are attached). Returns
     ``test_ce`` (mean per-token CE over completion tokens, EOS included when ``add_eos``),
@@ -344,7 +347,8 @@ def evaluate(
     # gives both the CE and the gold choice's score (the EOS loss is left out of the score).
     items = encode_choices(tokenizer, task, examples, max_length, eos_on_gold=add_eos)
     batches = make_batches(items, pad_token_id(tokenizer), batch_size)
-    scores, ce = score_choices(parts, batches, labels)
+    shown = tqdm(batches, desc="evaluate", unit="batch", disable=not progress, leave=False)
+    scores, ce = score_choices(parts, shown, labels)
     ranking = rank_choices(scores, len(examples), labels)
     gold = [it for it in items if it.choice == labels[it.source]]
     return {

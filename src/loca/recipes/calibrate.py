@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     refuse_model_folder(Path(args.out), args.model)
     ensure_replaceable(Path(args.out), MAPS_CONFIG, "loca-feedback-maps")  # before the work
     run = setup_run(args)
-    maps = run.calibrator(run.encode(run.splits.train), run.encode(run.splits.heldout)).calibrate()
+    calibrator = run.calibrator(run.encode(run.splits.train), run.encode(run.splits.heldout))
+    calibrator.progress = True
+    maps = calibrator.calibrate()
     maps.meta.update({"task": run.task.name, "splits": run.splits.record})
     maps.save_pretrained(args.out)
     a = maps.meta["alignment"]

@@ -55,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", required=True, help="output folder; receives results.json")
     g.add_argument("--overwrite", action="store_true",
                    help="replace an earlier `loca evaluate` run's results in --out")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         metrics = evaluate(parts, tokenizer, task, examples, max_length=args.max_length,
-                           batch_size=args.batch_size, add_eos=add_eos)
+                           batch_size=args.batch_size, add_eos=add_eos, progress=not args.quiet)
         eval_s = time.perf_counter() - t0
     finally:
         if adapters is not None:

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if out:
         atomic_write_json(out / "config.json", run_config)
 
-    calibrator = Calibrator(parts, train_items, heldout_items, cfg, run.pad_id)
+    calibrator = Calibrator(parts, train_items, heldout_items, cfg, run.pad_id, progress=not args.quiet)
     if maps is None:
         t0 = time.perf_counter()
         maps = calibrator.calibrate()
@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         if out:
             result.adapters.save_pretrained(out / "adapter", extra={"selection": None, "task": task.name})
 
-    ev = dict(max_length=cfg.max_length, batch_size=cfg.batch_size, add_eos=cfg.add_eos)
+    ev = dict(max_length=cfg.max_length, batch_size=cfg.batch_size, add_eos=cfg.add_eos,
+              progress=not args.quiet)  # fmt: skip
     loca_test = evaluate(parts, tokenizer, task, splits.test, **ev)
     result.adapters.detach()
     frozen_test = evaluate(parts, tokenizer, task, splits.test, **ev)
