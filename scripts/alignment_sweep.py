@@ -3,7 +3,7 @@
 For each task, the probe gradients (head errors E and per-block hidden-state gradients G_l) are
 computed once per probe size with :func:`loca.calibrate.probe_gradients`, and once for a fixed
 held-out probe (``--heldout-positions`` predict positions of the held-out items, seed + 1, as
-:func:`loca.calibrate.calibrate_with_config` draws it). The probes are nested: the seeded
+:class:`loca.calibrate.Calibrator` draws it). The probes are nested: the seeded
 :func:`loca.calibrate.select_probe` takes items in one fixed order, so the smaller probe is a prefix
 of the larger one and only the extra items of the larger probe need a backward pass. Then every
 (beta_rel, k) is a cheap refit with :func:`loca.ridge.feedback_factors`, scored with
