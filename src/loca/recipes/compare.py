@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.report_only:
-        if run_command(Path(args.out)) != "compare":
+        if run_command(Path(args.out)) != "compare" and not (Path(args.out) / "cells").is_dir():
             raise ValueError(f"--out {args.out} is not a `loca compare` folder")
         cells = CellStore(args.out).all_cells()
         if not cells:
