@@ -4,6 +4,7 @@ and a resumed run that recomputes exactly the cells whose configuration changed.
 import csv
 import json
 import random
+import shutil
 
 import pytest
 from tiny import tiny_model, tiny_tokenizer
@@ -130,6 +131,10 @@ def test_loca_variants_run_as_extra_methods_with_an_ablation_table(setup, tmp_pa
     assert "| loca@adapt |" in table and "median R_CE" in table
     summary = json.loads((out / "results.json").read_text())["summary"]
     assert set(summary["variants_vs_lora"]) == {"loca@paper", "loca@adapt"}
+    merged = tmp_path / "merged"  # cells merged from several runs: no run marker, still a report
+    shutil.copytree(out / "cells", merged / "cells")
+    assert main(["compare", "--out", str(merged), "--report-only"]) == 0
+    assert (merged / "table.md").read_text() == table
     with pytest.raises(ValueError, match="unknown LoCA setting"):
         from loca.compare import CompareSettings
 
