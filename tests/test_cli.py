@@ -136,3 +136,17 @@ def test_a_missing_model_is_a_clear_error(tmp_path, capsys):
             "--n-heldout", "4"]  # fmt: skip
     assert main(["fit", "--model", str(tmp_path / "nowhere"), *data, "--quiet", "--n-train", "4"]) == 2
     assert "could not load model" in capsys.readouterr().err
+
+
+def test_a_run_is_rerun_from_its_own_config(setup):
+    root, common = setup
+    data = ["--n-train", "16", "--n-heldout", "8", "--n-test", "10", "--quiet"]
+    first = root / "cfg-a"
+    assert main(["fit", *common, *data, "--max-iters", "3", "--beta-rel", "0.3", "--out", str(first)]) == 0
+    again = root / "cfg-b"
+    base = common[: common.index("--rank")] + ["--device", "cpu"]  # model and task flags only
+    assert main(["fit", *base, *data, "--config", str(first / "config.json"), "--out", str(again)]) == 0
+    a, b = (json.loads((d / "config.json").read_text())["loca"] for d in (first, again))
+    assert a == b and a["beta_rel"] == 0.3 and a["max_iters"] == 3
+    ra, rb = (json.loads((d / "results.json").read_text())["loca"] for d in (first, again))
+    assert ra == rb

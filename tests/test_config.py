@@ -58,3 +58,18 @@ def test_paper_preset_and_flags_on_top_of_it():
 def test_invalid_fit_options_are_named(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         LocaConfig(**bad)
+
+
+def test_config_file_then_flags(tmp_path):
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    run = {"command": "fit", "loca": LocaConfig(rank=4, beta_rel=0.5, etas=[0.02]).to_dict()}
+    (tmp_path / "config.json").write_text(json.dumps(run))
+    cfg = config_from_args(p.parse_args(["--config", str(tmp_path / "config.json"), "--rank", "8"]))
+    assert cfg == LocaConfig(rank=8, beta_rel=0.5, etas=[0.02])  # the flag over the file
+    (tmp_path / "bare.json").write_text(json.dumps({"feedback_rank": 4}))
+    cfg = config_from_args(p.parse_args(["--preset", "paper", "--config", str(tmp_path / "bare.json")]))
+    assert cfg == LocaConfig.preset("paper", feedback_rank=4)  # the file over the preset
+    (tmp_path / "bad.json").write_text(json.dumps({"learning_rate": 1}))
+    with pytest.raises(ValueError, match="unknown LoCA setting"):
+        config_from_args(p.parse_args(["--config", str(tmp_path / "bad.json")]))

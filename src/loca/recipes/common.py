@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from dataclasses import MISSING, dataclass, fields, replace
+from pathlib import Path
 
 from ..calibrate import Calibrator
 from ..config import PRESETS, LocaConfig
@@ -141,11 +142,33 @@ def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     g = add_dataclass_args(p, LocaConfig, title="LoCA hyper-parameters", skip=skip, only_given=True)
     g.add_argument("--preset", default="default", choices=sorted(PRESETS),
                    help="named configuration the flags start from ('paper': the paper's method)")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="LoCA hyper-parameters from a JSON file: a run's config.json (its 'loca' "
+                   "section) or a LocaConfig object; applied over --preset, under the flags given")
 
 
 def config_from_args(args: argparse.Namespace) -> LocaConfig:
+    """The run's LocaConfig: the preset, then ``--config FILE``, then the flags given."""
     given = dataclass_from_args(LocaConfig, args, build=False)
-    return LocaConfig.preset(args.preset, **given)
+    from_file = read_config_file(args.config) if getattr(args, "config", None) else {}
+    return LocaConfig.preset(args.preset, **{**from_file, **given})
+
+
+def read_config_file(path: str) -> dict:
+    """The LocaConfig fields held by a JSON file (a run's ``config.json`` or a bare object)."""
+    import json
+
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--config {path}: not readable JSON ({exc})") from None
+    values = obj.get("loca", obj) if isinstance(obj, dict) else None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: expected a JSON object of LoCA settings")
+    unknown = sorted(set(values) - set(LocaConfig().to_dict()))
+    if unknown:
+        raise ValueError(f"--config {path}: unknown LoCA setting(s) {unknown}")
+    return values
 
 
 @dataclass
