@@ -114,3 +114,51 @@ def test_zero_b_is_skipped_without_testing_values_in_the_forward(monkeypatch):
     assert calls == []
     adapters.set_b(adapters.get_b())
     assert adapters._b_state(0, torch.float32)[0] is False
+
+
+def test_adapter_files_are_locas_own_and_legacy_folders_still_load(tmp_path):
+    import json
+    import os
+
+    _, parts = tiny_llama()
+    ad = ResidualAdapters(parts, rank=4, seed=2)
+    ad.set_b([torch.randn_like(b) for b in ad.B])
+    ad.save_pretrained(tmp_path / "ad", extra={"task": "sst2"})
+    names = sorted(p.name for p in (tmp_path / "ad").iterdir())
+    assert names == ["README.md", "loca_adapter.json", "loca_adapter.safetensors"]
+    assert "Not a PEFT adapter" in (tmp_path / "ad" / "README.md").read_text()
+    assert json.loads((tmp_path / "ad" / "loca_adapter.json").read_text())["format"] == "loca-adapter"
+    from peft import PeftConfig  # PEFT does not mistake the folder for one of its own
+
+    with pytest.raises(ValueError):
+        PeftConfig.from_pretrained(str(tmp_path / "ad"))
+    # a folder written with the earlier (PEFT-like) names loads the same adapters
+    os.rename(tmp_path / "ad" / "loca_adapter.json", tmp_path / "ad" / "adapter_config.json")
+    os.rename(tmp_path / "ad" / "loca_adapter.safetensors", tmp_path / "ad" / "adapter_model.safetensors")
+    old = ResidualAdapters.from_pretrained(parts, tmp_path / "ad")
+    assert all(torch.equal(x, y) for x, y in zip(old.get_b(), ad.get_b(), strict=True))
+    ad.save_pretrained(tmp_path / "ad")  # a legacy folder is loca's: replaced, not refused
+    assert (tmp_path / "ad" / "loca_adapter.json").is_file()
+
+
+def test_disable_adapter_runs_the_frozen_model_and_generation_matches_uncached():
+    from loca.metrics import completion_ce
+
+    model, parts = tiny_llama()
+    batches = make_batches(sequences(8), pad_id=0, batch_size=8)
+    frozen = completion_ce(parts, batches).mean
+    ad = ResidualAdapters(parts, rank=4, seed=2).attach()
+    gen = torch.Generator().manual_seed(0)
+    ad.set_b([0.5 * torch.randn(b.shape, generator=gen, dtype=b.dtype) for b in ad.B])
+    adapted = completion_ce(parts, batches).mean
+    with ad.disable_adapter():
+        assert completion_ce(parts, batches).mean == frozen
+    assert completion_ce(parts, batches).mean == adapted != frozen
+    prompt = torch.tensor([[3, 7, 9, 4]])
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cached = model.generate(prompt, use_cache=True, **kw)
+    uncached = model.generate(prompt, use_cache=False, **kw)
+    assert torch.equal(cached, uncached)
+    with ad.disable_adapter():
+        assert not torch.equal(model.generate(prompt, use_cache=True, **kw), cached)
+    ad.detach()

@@ -52,7 +52,7 @@ def test_fit_writes_config_history_results_adapter_and_maps(setup, capsys):
     assert config["loca"]["rank"] == 4 and config["splits"]["seed"] == 0
     rows = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
     assert rows[0]["iteration"] == 0 and len(rows) >= 3
-    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "adapter" / "loca_adapter.safetensors").is_file()
     assert (out / "maps" / "feedback_maps.safetensors").is_file()
     assert "frozen" in capsys.readouterr().out
 

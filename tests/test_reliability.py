@@ -46,7 +46,7 @@ def user_folder(path):
 def test_atomic_dir_never_replaces_a_folder_it_did_not_make(tmp_path):
     mine = user_folder(tmp_path / "mine")
     with pytest.raises(FolderInUseError, match="refusing to replace"):
-        with atomic_dir(mine, "adapter_config.json", "loca-adapter") as tmp:
+        with atomic_dir(mine, "loca_adapter.json", "loca-adapter") as tmp:
             (tmp / "x").write_text("new")
     assert (mine / "notes.txt").read_text() == "mine" and not (mine / "x").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["mine"]  # no temporary folder left behind
@@ -165,7 +165,7 @@ def test_non_finite_adapters_and_metrics_are_errors_and_nothing_is_written(setup
     fit = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
            "--quiet", "--out", str(tmp_path / "run")]  # fmt: skip
     assert main(fit) == 0
-    weights = tmp_path / "run" / "adapter" / "adapter_model.safetensors"
+    weights = tmp_path / "run" / "adapter" / "loca_adapter.safetensors"
     tensors = load_file(weights)
     tensors["B.0"] = torch.full_like(tensors["B.0"], float("nan"))
     save_file(tensors, weights)
@@ -175,7 +175,7 @@ def test_non_finite_adapters_and_metrics_are_errors_and_nothing_is_written(setup
     argv = [*ev, "--model", str(root / "model"), "--adapter", str(weights.parent),
             "--out", str(tmp_path / "e1")]  # fmt: skip
     assert main(argv) == 2
-    assert "adapter_model.safetensors: holds NaN" in capsys.readouterr().err
+    assert "loca_adapter.safetensors: holds NaN" in capsys.readouterr().err
     # NaN weights: the metrics are printed, then refused, and no results file is written
     bad_model = tmp_path / "nan-model"
     model = tiny_model(tiny_tokenizer())
@@ -194,7 +194,7 @@ def test_corrupt_artefacts_name_the_file(setup, tmp_path, capsys):
     fit = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
            "--quiet", "--out", str(tmp_path / "run")]  # fmt: skip
     assert main(fit) == 0
-    (tmp_path / "run" / "adapter" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    (tmp_path / "run" / "adapter" / "loca_adapter.safetensors").write_bytes(b"not safetensors")
     cfg_path = tmp_path / "run" / "maps" / "feedback_config.json"
     cfg_path.write_text("{broken")
     ev = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
@@ -203,7 +203,7 @@ def test_corrupt_artefacts_name_the_file(setup, tmp_path, capsys):
           "--out", str(tmp_path / "ev")]  # fmt: skip
     capsys.readouterr()
     assert main(ev) == 2
-    assert "adapter_model.safetensors: not a readable safetensors file" in capsys.readouterr().err
+    assert "loca_adapter.safetensors: not a readable safetensors file" in capsys.readouterr().err
     refit = ["fit", *common[:-2], "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--quiet",
              "--out", str(tmp_path / "run2"), "--maps", str(tmp_path / "run" / "maps")]  # fmt: skip
     assert main(refit) == 2
@@ -325,7 +325,7 @@ def test_sigterm_leaves_a_consistent_best_snapshot(setup, tmp_path):
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
     try:
         deadline = time.time() + 120
-        while not (out / "adapter" / "adapter_config.json").exists() and time.time() < deadline:
+        while not (out / "adapter" / "loca_adapter.json").exists() and time.time() < deadline:
             assert proc.poll() is None, "loca fit ended before its first snapshot"
             time.sleep(0.1)
         time.sleep(0.5)

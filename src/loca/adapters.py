@@ -21,8 +21,13 @@ from .io import atomic_dir, atomic_write_json
 from .models import ModelParts, fingerprint
 from .ridge import nystrom_top_eigenvectors
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+# loca's own file names: PEFT's (adapter_model.safetensors, adapter_config.json) would make PEFT
+# and transformers mistake the folder for a PEFT adapter they cannot read. Folders written with
+# those names by earlier versions still load.
+ADAPTER_WEIGHTS = "loca_adapter.safetensors"
+ADAPTER_CONFIG = "loca_adapter.json"
+LEGACY_NAMES = ("adapter_model.safetensors", "adapter_config.json")
+CONFIG_NAMES = (ADAPTER_CONFIG, LEGACY_NAMES[1])
 
 
 def adapter_a(seed: int, layer: int, rank: int, d: int) -> Tensor:
@@ -128,6 +133,17 @@ class ResidualAdapters:
         if getattr(self.parts.model, "_loca_adapters", None) is self:
             del self.parts.model._loca_adapters
 
+    @contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """Run the frozen model inside the ``with`` body; the adapters come back after it."""
+        was = self.attached
+        self.detach()
+        try:
+            yield
+        finally:
+            if was:
+                self.attach()
+
     def __enter__(self) -> ResidualAdapters:
         return self.attach()
 
@@ -217,28 +233,35 @@ class ResidualAdapters:
             "hidden_size": self.parts.hidden_size,
             "num_blocks": self.parts.num_blocks,
             "fingerprint": fingerprint(self.parts),
+            "base_model": getattr(self.parts.model.config, "_name_or_path", None) or None,
         }
 
     def save_pretrained(self, directory: str | Path, extra: dict | None = None) -> Path:
-        """Write ``adapter_model.safetensors`` (A and B of every block) and ``adapter_config.json``.
+        """Write ``loca_adapter.safetensors`` (A and B of every block), ``loca_adapter.json`` and
+        a model-card ``README.md``.
 
         A is stored (r×d per block, small), so a loaded adapter never depends on a random
         generator's stream. The write is atomic.
         """
         tensors = {f"B.{i}": b.contiguous() for i, b in enumerate(self.get_b())}
         tensors.update({f"A.{i}": a.detach().cpu().contiguous() for i, a in enumerate(self.A)})
-        with atomic_dir(directory, ADAPTER_CONFIG, "loca-adapter") as tmp:
+        config = {**self.config(), **(extra or {})}
+        with atomic_dir(directory, CONFIG_NAMES, "loca-adapter") as tmp:
             save_file(tensors, tmp / ADAPTER_WEIGHTS)
-            atomic_write_json(tmp / ADAPTER_CONFIG, {**self.config(), **(extra or {})})
+            atomic_write_json(tmp / ADAPTER_CONFIG, config)
+            (tmp / "README.md").write_text(_model_card(config))
         return Path(directory)
 
     @classmethod
     def from_pretrained(cls, parts: ModelParts, directory: str | Path) -> ResidualAdapters:
         """Load adapters saved by :meth:`save_pretrained`; the checkpoint must match."""
         directory = Path(directory)
-        cfg_path = directory / ADAPTER_CONFIG
+        weights_name, cfg_name = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+        if not (directory / cfg_name).is_file() and (directory / LEGACY_NAMES[1]).is_file():
+            weights_name, cfg_name = LEGACY_NAMES
+        cfg_path = directory / cfg_name
         if not cfg_path.is_file():
-            raise FileNotFoundError(f"{cfg_path} not found: not a LoCA adapter folder")
+            raise FileNotFoundError(f"{directory / ADAPTER_CONFIG} not found: not a LoCA adapter folder")
         cfg = read_json_object(cfg_path)
         if cfg.get("format") != "loca-adapter":
             raise ValueError(f"{cfg_path}: not a LoCA adapter config (format {cfg.get('format')!r})")
@@ -249,18 +272,47 @@ class ResidualAdapters:
                 f"{cfg_path}: 'rank' must be an integer in 1..{parts.hidden_size} and 'seed' an "
                 f"integer (got rank={rank!r}, seed={seed!r})"
             )
-        tensors = read_safetensors(directory / ADAPTER_WEIGHTS)
+        tensors = read_safetensors(directory / weights_name)
         n = parts.num_blocks
         try:
             stored_a = [tensors[f"A.{i}"] for i in range(n)] if "A.0" in tensors else None
             adapters = cls(parts, rank=rank, seed=seed, a=stored_a)
             adapters.set_b([tensors[f"B.{i}"] for i in range(n)])
         except (KeyError, ValueError) as exc:
-            raise ValueError(f"{directory / ADAPTER_WEIGHTS}: does not hold {n} blocks' adapters "
+            raise ValueError(f"{directory / weights_name}: does not hold {n} blocks' adapters "
                              f"of rank {rank} ({exc})") from None  # fmt: skip
         if not all(torch.isfinite(t).all() for t in (*adapters.A, *adapters.B)):
-            raise ValueError(f"{directory / ADAPTER_WEIGHTS}: holds NaN or Inf values")
+            raise ValueError(f"{directory / weights_name}: holds NaN or Inf values")
         return adapters
+
+
+def _model_card(config: dict) -> str:
+    """A short README for an adapter folder: what it is and how to load it."""
+    sel = config.get("selection") or {}
+    lines = [
+        "# LoCA adapter",
+        "",
+        "Residual low-rank adapters `h_l = hbar_l + B_l A_l h_{l-1}` for every transformer block,",
+        "fitted forward-only by [loca](https://pypi.org/project/loca/) (Local Credit Assignment).",
+        "",
+        f"- base model: `{config.get('base_model')}` (weights fingerprint "
+        f"`{config['fingerprint']['weights_sha256'][:16]}…`, {config['num_blocks']} blocks, "
+        f"d = {config['hidden_size']})",
+        f"- rank r = {config['rank']}, seed {config['seed']}",
+        f"- task: {config.get('task', 'n/a')}; selection: held-out CE {sel.get('heldout_ce', 'n/a')} "
+        f"at iteration {sel.get('iteration', 'n/a')}",
+        "",
+        "```python",
+        "from loca import ResidualAdapters, find_parts, load_model",
+        "model, tok = load_model(\"<the base model>\")",
+        "adapters = ResidualAdapters.from_pretrained(find_parts(model), \"<this folder>\").attach()",
+        "```",
+        "",
+        "Not a PEFT adapter: PEFT and transformers cannot load it; loca checks the base model's",
+        "fingerprint and refuses another checkpoint.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def read_json_object(path: Path) -> dict:

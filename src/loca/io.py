@@ -61,18 +61,24 @@ class FolderInUseError(FileExistsError):
     """A folder holds something loca did not make and must not replace."""
 
 
-def is_artefact(directory: Path, config_file: str, fmt: str | None) -> bool:
-    """Whether ``directory`` holds a loca artefact of format ``fmt`` (its ``config_file`` says so;
-    with ``fmt=None`` the file's presence is enough)."""
-    if fmt is None:
-        return (directory / config_file).is_file()
-    try:
-        return json.loads((directory / config_file).read_text()).get("format") == fmt
-    except (OSError, ValueError, AttributeError):
-        return False
+def is_artefact(directory: Path, config_file: str | tuple[str, ...], fmt: str | None) -> bool:
+    """Whether ``directory`` holds a loca artefact of format ``fmt`` (its ``config_file``, or one of
+    several names, says so; with ``fmt=None`` the file's presence is enough)."""
+    names = (config_file,) if isinstance(config_file, str) else config_file
+    for name in names:
+        if fmt is None:
+            if (directory / name).is_file():
+                return True
+            continue
+        try:
+            if json.loads((directory / name).read_text()).get("format") == fmt:
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
 
 
-def ensure_replaceable(directory: Path, config_file: str, fmt: str | None) -> None:
+def ensure_replaceable(directory: Path, config_file: str | tuple[str, ...], fmt: str | None) -> None:
     """Raise :class:`FolderInUseError` unless ``directory`` is absent, empty, or an artefact of the
     same kind (which :func:`atomic_dir` may replace)."""
     directory = Path(directory)
@@ -80,13 +86,15 @@ def ensure_replaceable(directory: Path, config_file: str, fmt: str | None) -> No
         raise FolderInUseError(f"{directory} exists and is not a folder")
     if directory.is_dir() and any(directory.iterdir()) and not is_artefact(directory, config_file, fmt):
         raise FolderInUseError(
-            f"{directory} is not empty and is not a loca {fmt or config_file} folder; refusing to "
+            f"{directory} is not empty and is not a loca {fmt or 'artefact'} folder; refusing to "
             "replace it (choose a new or empty folder)"
         )
 
 
 @contextmanager
-def atomic_dir(directory: str | Path, config_file: str, fmt: str | None) -> Iterator[Path]:
+def atomic_dir(
+    directory: str | Path, config_file: str | tuple[str, ...], fmt: str | None
+) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces ``directory`` in one rename.
 
     An existing ``directory`` is replaced only if it is empty or is an artefact of the same kind

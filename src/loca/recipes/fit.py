@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..adapters import ADAPTER_CONFIG, ResidualAdapters
+from ..adapters import CONFIG_NAMES, ResidualAdapters
 from ..calibrate import MAPS_CONFIG, Calibrator, FeedbackMaps
 from ..config import LocaConfig
 from ..data import padding_fraction
@@ -175,7 +175,7 @@ def _clear_previous_run(out: Path) -> None:
     never leaves a config describing another run than the results beside it."""
     for name in ("results.json", "history.jsonl", "config.json"):
         (out / name).unlink(missing_ok=True)
-    for sub, cfg_file, fmt in (("adapter", ADAPTER_CONFIG, "loca-adapter"),
+    for sub, cfg_file, fmt in (("adapter", CONFIG_NAMES, "loca-adapter"),
                                ("maps", MAPS_CONFIG, "loca-feedback-maps")):  # fmt: skip
         if is_artefact(out / sub, cfg_file, fmt):
             shutil.rmtree(out / sub)
