@@ -150,3 +150,21 @@ def test_a_run_is_rerun_from_its_own_config(setup):
     assert a == b and a["beta_rel"] == 0.3 and a["max_iters"] == 3
     ra, rb = (json.loads((d / "results.json").read_text())["loca"] for d in (first, again))
     assert ra == rb
+
+
+def test_generate_with_and_without_adapters(setup, capsys):
+    root, common = setup
+    out = root / "gen-fit"
+    data = ["--n-train", "16", "--n-heldout", "8", "--n-test", "4", "--max-iters", "2", "--quiet"]
+    assert main(["fit", *common, *data, "--out", str(out)]) == 0
+    model = ["--model", str(root / "model"), "--device", "cpu"]
+    capsys.readouterr()
+    assert main(["generate", *model, "--prompt", "Review: a charming journey", "--max-new-tokens", "5"]) == 0
+    frozen = capsys.readouterr().out
+    assert frozen.startswith("[frozen] ")
+    argv = ["generate", *model, "--prompt", "Review: a charming journey", "--max-new-tokens", "5",
+            "--adapter", str(out / "adapter"), "--compare"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[loca] ") and lines[1] == frozen.strip()
+    assert main(["generate", *model, "--prompt", "x", "--max-new-tokens", "0"]) == 2

@@ -16,6 +16,7 @@ RECIPES = {
     "tasks": "tasks",
     "bench": "bench",
     "compare": "compare",
+    "generate": "generate",
 }
 
 
