@@ -4,33 +4,18 @@ import json
 import random
 
 import pytest
-from tiny import tiny_model, tiny_tokenizer
+from tiny import SENTIMENT_TEMPLATE, save_tiny_model, tiny_model, tiny_tokenizer, write_sentiment_task
 
 from loca.cli import main
 
-WORDS = "a charming and often affecting journey the of to is was b c d e f g h".split()
-TEMPLATE = "Review: {question}\nSentiment (positive or negative):"
+TEMPLATE = SENTIMENT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    tok = tiny_tokenizer()
-    model = tiny_model(tok)
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    rng = random.Random(0)
-    with open(root / "task.jsonl", "w") as f:
-        for i in range(60):
-            words = rng.choices(WORDS, k=rng.randint(3, 8))
-            label = int(words[0] in WORDS[:8])
-            row = {
-                "id": f"x{i}",
-                "question": " ".join(words),
-                "choices": ["negative", "positive"],
-                "label": label,
-            }
-            f.write(json.dumps(row) + "\n")
+    save_tiny_model(root / "model")
+    write_sentiment_task(root / "task.jsonl", 60, random.Random(0))
     common = ["--model", str(root / "model"), "--task", str(root / "task.jsonl"), "--template", TEMPLATE]
     common += ["--device", "cpu", "--rank", "4", "--feedback-rank", "4"]
     return root, common

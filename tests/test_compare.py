@@ -7,30 +7,21 @@ import random
 import shutil
 
 import pytest
-from tiny import tiny_model, tiny_tokenizer
+from tiny import save_tiny_model, write_sentiment_task
 
 from loca.cli import main
 from loca.metrics import recovery_ce
 
-WORDS = "a charming and often affecting journey the of to is was b c d e f g h".split()
 METHODS = ["frozen", "lora", "adapter-mezo", "loca", "mezo", "loca-abs"]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
-    tok = tiny_tokenizer()
-    tiny_model(tok).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    save_tiny_model(root / "model")
     rng = random.Random(0)
     for split, n in (("train", 80), ("validation", 30)):
-        (root / "data" / "sst2").mkdir(parents=True, exist_ok=True)
-        with open(root / "data" / "sst2" / f"{split}.jsonl", "w") as f:
-            for i in range(n):
-                words = rng.choices(WORDS, k=rng.randint(3, 8))
-                row = {"id": f"{split}-{i}", "question": " ".join(words), "passage": None,
-                       "choices": ["negative", "positive"], "label": int(words[0] in WORDS[:8])}
-                f.write(json.dumps(row) + "\n")
+        write_sentiment_task(root / "data" / "sst2" / f"{split}.jsonl", n, rng, id_prefix=f"{split}-")
     args = [
         "compare", "--model", str(root / "model"), "--data-dir", str(root / "data"), "--device", "cpu",
         "--tasks", "sst2", "--seeds", "0", "1", "--n-train", "24", "--n-heldout", "8", "--n-test", "12",

@@ -7,30 +7,21 @@ import random
 
 import pytest
 import torch
-from tiny import tiny_model, tiny_tokenizer
+from tiny import SENTIMENT_TEMPLATE, save_tiny_model, tiny_model, tiny_tokenizer, write_sentiment_task
 
 import loca.io as io_mod
 from loca.cli import main
 from loca.io import FolderInUseError, atomic_dir, atomic_write_json
 from loca.runs import MARKER, RunFolderError, prepare_run_dir
 
-WORDS = "a charming and often affecting journey the of to is was b c d e f g h".split()
-TEMPLATE = "Review: {question}\nSentiment (positive or negative):"
+TEMPLATE = SENTIMENT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
-    tok = tiny_tokenizer()
-    tiny_model(tok).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    rng = random.Random(1)
-    with open(root / "task.jsonl", "w") as f:
-        for i in range(40):
-            words = rng.choices(WORDS, k=rng.randint(3, 8))
-            row = {"id": f"x{i}", "question": " ".join(words), "choices": ["negative", "positive"],
-                   "label": int(words[0] in WORDS[:8])}  # fmt: skip
-            f.write(json.dumps(row) + "\n")
+    save_tiny_model(root / "model")
+    write_sentiment_task(root / "task.jsonl", 40, random.Random(1))
     common = ["--model", str(root / "model"), "--task", str(root / "task.jsonl"), "--template", TEMPLATE,
               "--device", "cpu", "--rank", "4", "--feedback-rank", "4"]  # fmt: skip
     return root, common

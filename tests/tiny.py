@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+
 import torch
 
 CORPUS = [
@@ -46,3 +50,27 @@ def tiny_model(tokenizer, seed: int = 0, dtype=torch.float32):
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     model.requires_grad_(False)
     return model
+
+
+WORDS = "a charming and often affecting journey the of to is was b c d e f g h".split()
+SENTIMENT_TEMPLATE = "Review: {question}\nSentiment (positive or negative):"
+
+
+def save_tiny_model(folder: Path) -> Path:
+    """A tiny model and its tokenizer saved as an ordinary Hugging Face folder."""
+    tok = tiny_tokenizer()
+    tiny_model(tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def write_sentiment_task(path: Path, n: int, rng: random.Random, id_prefix: str = "x") -> Path:
+    """``n`` random SST-2-like rows (label: whether the first word is one of the first eight)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(n):
+            words = rng.choices(WORDS, k=rng.randint(3, 8))
+            row = {"id": f"{id_prefix}{i}", "question": " ".join(words), "passage": None,
+                   "choices": ["negative", "positive"], "label": int(words[0] in WORDS[:8])}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+    return path

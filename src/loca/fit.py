@@ -141,13 +141,12 @@ class FitResult:
 class _Fit:
     """The state one :func:`fit` call shares between its candidates."""
 
-    def __init__(self, parts, maps, train, heldout, cfg, adapters, calibrator, on_iteration, on_improve):
+    def __init__(self, parts, maps, train, heldout, cfg, adapters, calibrator, on_iteration, start):
         self.parts, self.maps, self.train, self.heldout, self.cfg = parts, maps, train, heldout, cfg
-        self.adapters, self.calibrator = adapters, calibrator
-        self.on_iteration, self.on_improve = on_iteration, on_improve
+        self.adapters, self.calibrator, self.on_iteration = adapters, calibrator, on_iteration
         self.groups = block_groups(parts.num_blocks, cfg.groups)
         self.history: list[dict] = []
-        self.start = time.perf_counter()
+        self.start = start
         self.recalibrations, self.recalibration_s = 0, 0.0
 
     def log(self, row: dict) -> None:
@@ -251,8 +250,7 @@ def fit(
         a = principal_a(parts, train, cfg.rank, cfg.seed) if cfg.a_init == "principal" else None
         adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed, a=a)
     adapters.attach().reset()
-    state = _Fit(parts, maps, train, heldout, cfg, adapters, calibrator, on_iteration, on_improve)
-    state.start = start
+    state = _Fit(parts, maps, train, heldout, cfg, adapters, calibrator, on_iteration, start)
     zero = adapters.get_b()
     frozen_ce = completion_ce(parts, heldout).mean
     if not math.isfinite(frozen_ce):

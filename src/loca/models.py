@@ -170,6 +170,14 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+def clamp_max_length(max_length: int, model) -> tuple[int, str | None]:
+    """``max_length`` limited to the model's context, and a note saying so when it had to be."""
+    limit = context_length(model)
+    if limit is None or max_length <= limit:
+        return max_length, None
+    return limit, f"max_length {max_length} exceeds the model's context of {limit} tokens; using {limit}"
+
+
 def context_length(model) -> int | None:
     """The longest sequence the model's position embeddings cover, if its config says."""
     cfg = _text_config(model.config)

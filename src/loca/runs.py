@@ -11,6 +11,7 @@ A model folder is never written to.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from .io import atomic_write_json
@@ -107,8 +108,6 @@ def prepare_run_dir(
 def require_finite(metrics: dict, what: str) -> None:
     """Raise ValueError naming the metrics of ``what`` that are NaN or infinite (a standard error
     is undefined, not wrong, for a single example: see :func:`undefined_as_none`)."""
-    import math
-
     bad = [k for k, v in metrics.items()
            if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_stderr")]  # fmt: skip
     if bad:
@@ -120,7 +119,5 @@ def require_finite(metrics: dict, what: str) -> None:
 
 def undefined_as_none(metrics: dict) -> dict:
     """``metrics`` with undefined (non-finite) standard errors as None, for strict JSON."""
-    import math
-
     return {k: None if k.endswith("_stderr") and isinstance(v, float) and not math.isfinite(v) else v
             for k, v in metrics.items()}  # fmt: skip

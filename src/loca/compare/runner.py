@@ -20,7 +20,7 @@ from ..data import degenerate_warnings, encode_examples, get_task, load_splits, 
 from ..data.batching import pad_token_id
 from ..io import atomic_write_json
 from ..metrics import evaluate
-from ..models import ModelParts, context_length, find_parts, fingerprint, load_model
+from ..models import ModelParts, clamp_max_length, find_parts, fingerprint, load_model
 from ..versions import versions
 from .methods import (
     METHODS,
@@ -154,11 +154,10 @@ def run_compare(
     tasks = [get_task(t) for t in settings.tasks]
     model_obj, tokenizer = load_model(model, device=device, dtype=dtype)
     parts = find_parts(model_obj)
-    limit = context_length(model_obj)
-    if limit is not None and configs.loca.max_length > limit:
-        log(f"warning: max_length {configs.loca.max_length} exceeds the model's context of {limit} "
-            f"tokens; using {limit}")  # fmt: skip
-        configs = replace(configs, loca=replace(configs.loca, max_length=limit))
+    max_length, note = clamp_max_length(configs.loca.max_length, model_obj)
+    if note:
+        log(f"warning: {note}")
+        configs = replace(configs, loca=replace(configs.loca, max_length=max_length))
     base = {
         "model": model,
         "fingerprint": fingerprint(parts),

@@ -14,10 +14,9 @@ import argparse
 from pathlib import Path
 
 from ..calibrate import MAPS_CONFIG
-from ..config import LocaConfig
 from ..io import ensure_replaceable
 from ..runs import refuse_model_folder
-from .common import add_config_args, add_data_args, add_model_args, dataclass_from_args, setup_run
+from .common import add_config_args, add_data_args, add_model_args, config_from_args, refuse_flags, setup_run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,18 +33,15 @@ STAGE_II = {"etas", "lam_rel", "ridge_center", "step_scale", "step_control", "et
 
 
 def run(args: argparse.Namespace) -> int:
-    given = set(dataclass_from_args(LocaConfig, args, build=False))
-    if getattr(args, "calibration_rounds", 1) == 1 and given & STAGE_II:
-        flags = ", ".join("--" + g.replace("_", "-") for g in sorted(given & STAGE_II))
-        raise ValueError(f"{flags} configure Stage II and do not apply to `loca calibrate` (with "
-                         "--calibration-rounds 2 or more they configure the calibration's short "
-                         "fits)")  # fmt: skip
+    if config_from_args(args).calibration_rounds == 1:  # the effective value: flag, --config or preset
+        refuse_flags(args, STAGE_II, "configure Stage II and do not apply to `loca calibrate` (with "
+                     "--calibration-rounds 2 or more they configure the calibration's short "
+                     "fits)")  # fmt: skip
     refuse_model_folder(Path(args.out), args.model)
     ensure_replaceable(Path(args.out), MAPS_CONFIG, "loca-feedback-maps")  # before the work
     run = setup_run(args)
-    calibrator = run.calibrator(run.encode(run.splits.train), run.encode(run.splits.heldout))
-    calibrator.progress = True
-    maps = calibrator.calibrate()
+    train, heldout = run.encode(run.splits.train), run.encode(run.splits.heldout)
+    maps = run.calibrator(train, heldout, progress=True).calibrate()
     maps.meta.update({"task": run.task.name, "splits": run.splits.record})
     maps.save_pretrained(args.out)
     a = maps.meta["alignment"]

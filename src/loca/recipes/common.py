@@ -23,7 +23,7 @@ from ..data import (
 )  # fmt: skip
 from ..data.batching import pad_token_id
 from ..data.sources import DATA_DIR_ENV
-from ..models import ModelParts, context_length, find_parts, load_model
+from ..models import ModelParts, clamp_max_length, find_parts, load_model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -196,9 +196,19 @@ class RunSetup:
     def batches(self, items: list[Encoded]) -> list[Batch]:
         return make_batches(items, self.pad_id, batch_size=self.cfg.batch_size)
 
-    def calibrator(self, train: list[Encoded], heldout: list[Encoded] = ()) -> Calibrator:
+    def calibrator(
+        self, train: list[Encoded], heldout: list[Encoded] = (), progress: bool = False
+    ) -> Calibrator:
         """Stage I bound to the run's configuration and data (see :class:`loca.calibrate.Calibrator`)."""
-        return Calibrator(self.parts, train, heldout, self.cfg, self.pad_id)
+        return Calibrator(self.parts, train, heldout, self.cfg, self.pad_id, progress=progress)
+
+
+def refuse_flags(args: argparse.Namespace, names: set[str], why: str) -> None:
+    """Raise ValueError if any LoCA flag in ``names`` was given on the command line."""
+    given = sorted(names & set(dataclass_from_args(LocaConfig, args, build=False)))
+    if given:
+        flags = ", ".join("--" + g.replace("_", "-") for g in given)
+        raise ValueError(f"{flags} {why}")
 
 
 def warn(message: str) -> None:
@@ -206,13 +216,12 @@ def warn(message: str) -> None:
     print(f"loca: warning: {message}", file=sys.stderr)
 
 
-def fit_to_context(cfg: LocaConfig, model) -> LocaConfig:
-    """``cfg`` with ``max_length`` clamped to the model's context length, saying so."""
-    limit = context_length(model)
-    if limit is not None and cfg.max_length > limit:
-        warn(f"--max-length {cfg.max_length} exceeds the model's context of {limit} tokens; using {limit}")
-        return replace(cfg, max_length=limit)
-    return cfg
+def fit_to_context(max_length: int, model) -> int:
+    """``max_length`` clamped to the model's context length, warning when it had to be."""
+    length, note = clamp_max_length(max_length, model)
+    if note:
+        warn(f"--{note.replace('_', '-', 1)}")
+    return length
 
 
 def setup_run(args: argparse.Namespace) -> RunSetup:
@@ -228,7 +237,8 @@ def setup_run(args: argparse.Namespace) -> RunSetup:
     for message in degenerate_warnings(splits):
         warn(f"task {task.name!r}: {message}")
     model, tokenizer, parts = setup_model(args)
-    return RunSetup(fit_to_context(cfg, model), task, splits, data_dir, model, tokenizer, parts)
+    cfg = replace(cfg, max_length=fit_to_context(cfg.max_length, model))
+    return RunSetup(cfg, task, splits, data_dir, model, tokenizer, parts)
 
 
 def setup_model(args: argparse.Namespace):

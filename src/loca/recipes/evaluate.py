@@ -20,10 +20,10 @@ from ..config import LocaConfig
 from ..data import Splits, degenerate_warnings, get_task, load_test
 from ..io import atomic_write_json
 from ..metrics import evaluate
-from ..models import context_length, fingerprint
+from ..models import fingerprint
 from ..runs import prepare_run_dir, require_finite, undefined_as_none
 from ..versions import versions
-from .common import add_model_args, resolve_data_dir, setup_model, warn
+from .common import add_model_args, fit_to_context, resolve_data_dir, setup_model, warn
 
 _DEFAULTS = LocaConfig()
 
@@ -70,10 +70,7 @@ def run(args: argparse.Namespace) -> int:
     examples, record = load_test(task, n_test=args.n_test, seed=args.seed, data_dir=data_dir)
     add_eos = task.add_eos if args.add_eos is None else args.add_eos
     model, tokenizer, parts = setup_model(args)
-    limit = context_length(model)
-    if limit is not None and args.max_length > limit:
-        warn(f"--max-length {args.max_length} exceeds the model's context of {limit} tokens; using {limit}")
-        args.max_length = limit
+    args.max_length = fit_to_context(args.max_length, model)
     probe = Splits(train=[], heldout=[], test=examples)
     for message in degenerate_warnings(probe):
         warn(f"task {task.name!r}: {message}")

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from ..adapters import CONFIG_NAMES, ResidualAdapters
 from ..calibrate import MAPS_CONFIG, Calibrator, FeedbackMaps
-from ..config import LocaConfig
 from ..data import padding_fraction
 from ..data.encoding import count_truncated
 from ..fit import fit
@@ -30,7 +29,7 @@ from ..metrics import evaluate
 from ..models import fingerprint
 from ..runs import prepare_run_dir, require_finite, run_command
 from ..versions import versions
-from .common import add_config_args, add_data_args, add_model_args, dataclass_from_args, setup_run, warn
+from .common import add_config_args, add_data_args, add_model_args, refuse_flags, setup_run, warn
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,11 +49,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = Path(args.out) if args.out else None
     if args.maps:
-        given = sorted(STAGE_I & set(dataclass_from_args(LocaConfig, args, build=False)))
-        if given:
-            flags = ", ".join("--" + g.replace("_", "-") for g in given)
-            raise ValueError(f"{flags} configure calibration and do not apply with --maps (the maps are "
-                             "already calibrated); drop them or calibrate again")  # fmt: skip
+        refuse_flags(args, STAGE_I, "configure calibration and do not apply with --maps (the maps are "
+                     "already calibrated); drop them or calibrate again")  # fmt: skip
     if out:
         rerun = run_command(out) == "fit"
         prepare_run_dir(out, "fit", model=args.model, overwrite=args.overwrite, writes=WRITES)
