@@ -142,7 +142,7 @@ def test_adapter_files_are_locas_own_and_legacy_folders_still_load(tmp_path):
 
 
 def test_disable_adapter_runs_the_frozen_model_and_generation_matches_uncached():
-    from loca.metrics import completion_ce
+    from loca.evaluation import completion_ce
 
     model, parts = tiny_llama()
     batches = make_batches(sequences(8), pad_id=0, batch_size=8)

@@ -81,7 +81,7 @@ def test_fit_improves_heldout_ce_and_records_history():
     best = min(res.history, key=lambda r: r["heldout_ce"])
     assert best["heldout_ce"] == res.heldout_ce and best["eta"] == res.eta
     # the adapters hold the selected snapshot
-    from loca.metrics import completion_ce
+    from loca.evaluation import completion_ce
 
     assert completion_ce(parts, heldout).mean == pytest.approx(res.heldout_ce, rel=1e-9)
     # iteration 1 of every candidate used the same shared statistics: identical training CE

@@ -12,8 +12,8 @@ from loca.adapters import ResidualAdapters, principal_a
 from loca.calibrate import Calibrator, FeedbackMaps
 from loca.config import LocaConfig
 from loca.data.batching import make_batches
+from loca.evaluation import completion_ce
 from loca.fit import fit
-from loca.metrics import completion_ce
 from loca.ridge import FeedbackFactors, nystrom_top_eigenvectors
 
 fit_mod = importlib.import_module("loca.fit")

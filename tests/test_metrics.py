@@ -12,20 +12,18 @@ import torch
 import torch.nn.functional as F
 from tiny import tiny_model, tiny_tokenizer
 
-import loca.metrics as metrics_mod
+import loca.evaluation as metrics_mod
 from loca.adapters import ResidualAdapters
 from loca.data import Example, encode_choices, encode_examples, get_task
 from loca.data.batching import Encoded, make_batches, pad_token_id
+from loca.evaluation import completion_ce, evaluate, ranking_accuracy
 from loca.metrics import (
     RECOVERY_FLAG,
     TokenCE,
     accuracy_stderr,
-    completion_ce,
-    evaluate,
     format_recovery,
     mean_stderr,
     rank_choices,
-    ranking_accuracy,
     ratio_stderr,
     recovery,
     recovery_acc,

@@ -19,7 +19,7 @@ from loca.baselines.mezo import (
     spsa_gradient,
 )
 from loca.data.batching import make_batches
-from loca.metrics import completion_ce, position_losses
+from loca.evaluation import completion_ce, position_losses
 
 mezo_mod = importlib.import_module("loca.baselines.mezo")
 

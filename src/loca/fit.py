@@ -26,8 +26,9 @@ from .adapters import Recorder, ResidualAdapters, principal_a
 from .calibrate import Calibrator, FeedbackMaps
 from .config import LocaConfig
 from .data.batching import Batch
+from .evaluation import completion_ce
 from .head import head_loss_and_error
-from .metrics import TokenCE, completion_ce
+from .metrics import TokenCE
 from .models import ModelParts
 from .ridge import BlockStats, NonFiniteStatisticsError, solve_block
 

@@ -1,17 +1,13 @@
-"""Evaluation metrics computed from hidden states at the needed positions only."""
+"""Evaluation metrics as pure functions: standard errors, token CE sums, ranking accuracy from
+scores, recovery ratios. Running a model to get the scores is :mod:`loca.evaluation`."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
-
-from .data.batching import Batch
-from .head import head_loss_and_error
-from .models import ModelParts
 
 # --- standard errors (lm-evaluation-harness conventions) ------------------------------------
 
@@ -114,70 +110,7 @@ class TokenCE:
                 acc[k] += row[k]
 
 
-def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
-    """Per-predict-position cross-entropy of the model as currently hooked (N,)."""
-    b = batch.to(parts.device)
-    hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
-    loss, _ = head_loss_and_error(
-        hn, parts.head.weight, parts.head.bias, b.targets, parts.transform, need_error=False
-    )
-    return loss
-
-
-@torch.inference_mode()
-def completion_ce(parts: ModelParts, batches: Iterable[Batch]) -> TokenCE:
-    """Mean per-token CE over the completion tokens of ``batches`` (EOS included and excluded)."""
-    losses, eos = [], []
-    for batch in batches:  # no host sync inside the loop
-        losses.append(position_losses(parts, batch))
-        eos.append(batch.is_eos)
-    ce = TokenCE()
-    ce.add(torch.cat(losses), torch.cat(eos))
-    return ce
-
-
 # --- ranking accuracy ----------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def score_choices(
-    parts: ModelParts, batches: Iterable[Batch], labels: list[int] | None = None
-) -> tuple[dict[tuple[int, int], tuple[float, int]], TokenCE]:
-    """One pass over choice sequences: per-choice log-likelihoods and the gold completions' CE.
-
-    The score of a choice is the summed log-likelihood of its tokens after the prompt, EOS
-    excluded, so a gold sequence that carries EOS serves both ranking and CE. Returns
-    ``({(source, choice): (loglik, n_chars)}, TokenCE over the gold sequences)``; the CE is empty
-    when ``labels`` is None, and keeps per-example sums (``TokenCE.per_example``, by source).
-    """
-    out: dict[tuple[int, int], tuple[float, int]] = {}
-    ce = TokenCE()
-    for batch in batches:
-        loss = position_losses(parts, batch).double().cpu()
-        keep = (~batch.is_eos).double()
-        sums = torch.zeros(len(batch.items), dtype=torch.float64)
-        sums.index_add_(0, batch.pos_b, -loss * keep)
-        for row, item in enumerate(batch.items):
-            key = (item.source, item.choice)
-            if item.source < 0 or item.choice < 0:
-                raise ValueError("choice sequences need source and choice set (use encode_choices)")
-            if key in out:
-                raise ValueError(f"choice {item.choice} of example {item.source} appears twice")
-            out[key] = (float(sums[row]), item.n_chars)
-        if labels is not None:
-            gold = torch.tensor([it.choice == labels[it.source] for it in batch.items])
-            source = torch.tensor([it.source for it in batch.items])[batch.pos_b]
-            at_gold = gold[batch.pos_b]
-            ce.add(loss[at_gold], batch.is_eos[at_gold], source[at_gold])
-    return out, ce
-
-
-def choice_loglik(parts: ModelParts, batches: Iterable[Batch]) -> dict[tuple[int, int], tuple[float, int]]:
-    """Summed log-likelihood of each choice's tokens after its prompt (EOS excluded), batched.
-
-    Returns ``{(source, choice): (loglik, n_chars)}`` for every sequence in ``batches``.
-    """
-    return score_choices(parts, batches)[0]
 
 
 def _first_argmax(values: list[float]) -> int:
@@ -229,18 +162,6 @@ def rank_choices(
         "acc_stderr": accuracy_stderr(correct),
         "acc_norm_stderr": accuracy_stderr(correct_norm),
     }
-
-
-def ranking_accuracy(
-    parts: ModelParts, batches_of_choices: Iterable[Batch], n_examples: int, labels: list[int]
-) -> dict:
-    """Ranking accuracy of the model as currently hooked: :func:`rank_choices`'s dict.
-
-    ``batches_of_choices`` hold one sequence per (example, choice), as made by
-    :func:`loca.data.encoding.encode_choices` and :func:`loca.data.batching.make_batches`;
-    every choice of every example must be present.
-    """
-    return rank_choices(choice_loglik(parts, batches_of_choices), n_examples, list(labels))
 
 
 # --- recovery ------------------------------------------------------------------------------
@@ -305,64 +226,3 @@ def recovery_report(frozen: dict, method: dict, lora: dict, *, tol: float = RECO
     }
 
 
-# --- evaluation ----------------------------------------------------------------------------
-
-
-def evaluate(
-    parts: ModelParts,
-    tokenizer,
-    task,
-    examples,
-    *,
-    max_length: int,
-    batch_size: int,
-    add_eos: bool,
-    progress: bool = False,
-) -> dict:
-    """CE over gold completion tokens (with and without EOS) and ranking accuracy on ``examples``
-    (``progress``: a progress bar over the batches).
-
-    Runs the model as it currently is (with whatever adapters are attached). Returns
-    ``test_ce`` (mean per-token CE over completion tokens, EOS included when ``add_eos``),
-    ``test_ce_no_eos``, ``acc``, ``acc_norm``, ``n_test``, ``padding_fraction`` (share of padded
-    positions in the batches run), ``n_sequences``, ``n_tokens`` (gold completion tokens scored
-    for CE) and ``n_truncated`` (examples whose prompt was cut from the left to fit), and the
-    standard errors ``acc_stderr``, ``acc_norm_stderr`` (:func:`accuracy_stderr`, as
-    lm-evaluation-harness) and ``test_ce_stderr``, ``test_ce_no_eos_stderr``
-    (:func:`ratio_stderr` over examples); each is NaN for a single example.
-
-    Every choice of an example is scored after the same prompt tokens (see
-    :func:`loca.data.encoding.encode_choices`). Without truncation, ``test_ce`` equals
-    :func:`completion_ce` over :func:`loca.data.encoding.encode_examples`; with it, the gold
-    prompt may keep a token or so less (the shortest prompt any choice needs).
-    """
-    from .data.batching import make_batches, pad_token_id, padding_fraction
-    from .data.encoding import count_truncated, encode_choices
-
-    examples = list(examples)
-    if not examples:
-        raise ValueError("no examples to evaluate")
-    labels = [ex.label for ex in examples]
-    # One sequence per (example, choice); the gold one carries EOS when add_eos, so its pass
-    # gives both the CE and the gold choice's score (the EOS loss is left out of the score).
-    items = encode_choices(tokenizer, task, examples, max_length, eos_on_gold=add_eos)
-    batches = make_batches(items, pad_token_id(tokenizer), batch_size)
-    shown = tqdm(batches, desc="evaluate", unit="batch", disable=not progress, leave=False)
-    scores, ce = score_choices(parts, shown, labels)
-    ranking = rank_choices(scores, len(examples), labels)
-    gold = [it for it in items if it.choice == labels[it.source]]
-    return {
-        "test_ce": ce.mean,
-        "test_ce_no_eos": ce.mean_no_eos,
-        "acc": ranking["acc"],
-        "acc_norm": ranking["acc_norm"],
-        "n_test": len(examples),
-        "padding_fraction": padding_fraction(batches),
-        "n_sequences": len(items),
-        "n_tokens": ce.tokens,
-        "n_truncated": count_truncated(tokenizer, task, examples, gold),
-        "acc_stderr": ranking["acc_stderr"],
-        "acc_norm_stderr": ranking["acc_norm_stderr"],
-        "test_ce_stderr": ce.stderr,
-        "test_ce_no_eos_stderr": ce.stderr_no_eos,
-    }

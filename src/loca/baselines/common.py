@@ -3,7 +3,7 @@ snapshot (the frozen model included), and the result record.
 
 Every method trains on the same :class:`~loca.data.batching.Batch` objects that LoCA fits on, with
 the same loss (mean per-token CE over the completion tokens, answer + EOS, at the predict
-positions), and is selected by the same held-out CE (:func:`loca.metrics.completion_ce`).
+positions), and is selected by the same held-out CE (:func:`loca.evaluation.completion_ce`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..data.batching import Batch
-from ..metrics import completion_ce, position_losses
+from ..evaluation import completion_ce, position_losses
 from ..models import ModelParts
 
 

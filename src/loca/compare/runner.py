@@ -18,8 +18,8 @@ from ..bench import PeakMemory
 from ..config import PRESETS, LocaConfig, option
 from ..data import degenerate_warnings, encode_examples, get_task, load_splits, make_batches
 from ..data.batching import pad_token_id
+from ..evaluation import evaluate
 from ..io import atomic_write_json
-from ..metrics import evaluate
 from ..models import ModelParts, clamp_max_length, find_parts, fingerprint, load_model
 from ..versions import versions
 from .methods import (

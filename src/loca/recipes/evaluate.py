@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..config import LocaConfig
 from ..data import Splits, degenerate_warnings, get_task, load_test
+from ..evaluation import evaluate
 from ..io import atomic_write_json
-from ..metrics import evaluate
 from ..models import fingerprint
 from ..runs import prepare_run_dir, require_finite, undefined_as_none
 from ..versions import versions

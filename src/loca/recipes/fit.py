@@ -23,9 +23,9 @@ from ..adapters import CONFIG_NAMES, ResidualAdapters
 from ..calibrate import MAPS_CONFIG, Calibrator, FeedbackMaps
 from ..data import padding_fraction
 from ..data.encoding import count_truncated
+from ..evaluation import evaluate
 from ..fit import fit
 from ..io import atomic_write_json, atomic_write_text, is_artefact
-from ..metrics import evaluate
 from ..models import fingerprint
 from ..runs import prepare_run_dir, require_finite, run_command
 from ..versions import versions
