@@ -35,9 +35,9 @@ def test_probe_errors_and_gradients_match_autograd():
     model, parts = tiny_llama()
     items = sequences(10)
     batch = make_batches(items, pad_id=0, batch_size=100)[0]
-    e, grads = probe_gradients(parts, batch.items, micro_batch=3, pad_id=0)
+    e, grads = probe_gradients(parts, batch.items, probe_micro_batch=3, pad_id=0)
     # micro-batching reorders rows; recompute in one batch for the row order of `batch`
-    e1, grads1 = probe_gradients(parts, batch.items, micro_batch=100, pad_id=0)
+    e1, grads1 = probe_gradients(parts, batch.items, probe_micro_batch=100, pad_id=0)
     torch.testing.assert_close(torch.sort(e.sum(1)).values, torch.sort(e1.sum(1)).values.float())
     ref = reference_gradients(model, parts, batch)
     for g, r in zip(grads1, ref, strict=True):
@@ -56,8 +56,10 @@ def test_calibrate_fits_the_dual_ridge_and_reports_alignment(tmp_path):
     items = sequences(40)
     probe = select_probe(items, n_positions=30, seed=0)
     assert sum(len(x.completion) for x in probe) >= 30
-    maps = calibrate(parts, probe, sequences(8, seed=9), rank=4, beta_rel=1e-3, micro_batch=5)
-    e, grads = probe_gradients(parts, probe, micro_batch=5, pad_id=0)
+    maps = calibrate(
+        parts, probe, sequences(8, seed=9), feedback_rank=4, beta_rel=1e-3, probe_micro_batch=5
+    )
+    e, grads = probe_gradients(parts, probe, probe_micro_batch=5, pad_id=0)
     want = feedback_factors(e, grads, 1e-3, 4)
     for f, w in zip(maps.factors, want, strict=True):
         torch.testing.assert_close(f.us @ f.v.T, w.us @ w.v.T, atol=1e-5, rtol=1e-4)
@@ -85,5 +87,23 @@ def test_calibrate_rejects_an_empty_probe():
 
 def test_probe_keeps_no_parameter_gradients():
     model, parts = tiny_llama()
-    probe_gradients(parts, sequences(4), micro_batch=2, pad_id=0)
+    probe_gradients(parts, sequences(4), probe_micro_batch=2, pad_id=0)
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+
+
+def test_calibration_leaves_parameter_grads_empty_whatever_requires_grad():
+    """A model not loaded by ``load_model`` has ``requires_grad`` on every parameter: calibration
+    (and a Calibrator with pooled rounds) must neither fill ``.grad`` nor change the flags."""
+    from loca.calibrate import Calibrator
+    from loca.config import LocaConfig
+
+    model, parts = tiny_llama()
+    model.requires_grad_(True)
+    items = sequences(24)
+    calibrate(parts, items, sequences(6, seed=3), feedback_rank=4, beta_rel=1e-3, probe_micro_batch=5)
+    cfg = LocaConfig(feedback_rank=4, rank=4, probe_positions=30, calibration_rounds=2,
+                     calibration_round_iters=2, batch_size=8)
+    Calibrator(parts, items, sequences(6, seed=3), cfg, pad_id=0).calibrate()
+    params = list(model.parameters())
+    assert all(p.requires_grad for p in params)
+    assert all(p.grad is None for p in params)

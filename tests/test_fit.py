@@ -47,7 +47,7 @@ def test_exact_gradient_feedback_moves_b_against_the_adapter_gradient(lam_rel, m
     model, parts = tiny_llama(hidden=32)
     items = short_prompt_items(12)  # 24 positions ≤ d = 32: the dual fit interpolates, F e_t = g_t
     batches = make_batches(items, pad_id=0, batch_size=100)
-    maps = calibrate(parts, items, rank=24, beta_rel=1e-12, micro_batch=100)
+    maps = calibrate(parts, items, feedback_rank=24, beta_rel=1e-12, probe_micro_batch=100)
     adapters = ResidualAdapters(parts, rank=4, seed=1).attach()
     stats, _ = collect_statistics(parts, adapters, maps, batches, range(parts.num_blocks))
     for layer in range(parts.num_blocks):
@@ -60,7 +60,7 @@ def test_exact_gradient_feedback_moves_b_against_the_adapter_gradient(lam_rel, m
 def tiny_setup(n_train=48, n_heldout=24, seed=0):
     model, parts = tiny_llama(hidden=32, layers=3)
     train_items, heldout_items = sequences(n_train, seed=seed), sequences(n_heldout, seed=seed + 100)
-    maps = calibrate(parts, train_items, rank=8, beta_rel=1e-3, micro_batch=16)
+    maps = calibrate(parts, train_items, feedback_rank=8, beta_rel=1e-3, probe_micro_batch=16)
     train = make_batches(train_items, pad_id=0, batch_size=16)
     heldout = make_batches(heldout_items, pad_id=0, batch_size=16)
     return model, parts, maps, train, heldout

@@ -27,7 +27,9 @@ def test_calibration_aligns_and_loca_beats_the_frozen_model(smollm2):
     train_items = encode_examples(tokenizer, task, splits.train, max_length=256, add_eos=True)
     heldout_items = encode_examples(tokenizer, task, splits.heldout, max_length=256, add_eos=True)
     probe = select_probe(train_items, 1000, seed=0)
-    maps = calibrate(parts, probe, heldout_items[:16], rank=8, beta_rel=1e-3, micro_batch=16, pad_id=pad)
+    maps = calibrate(
+        parts, probe, heldout_items[:16], feedback_rank=8, beta_rel=1e-3, probe_micro_batch=16, pad_id=pad
+    )
     align = maps.meta["alignment"]
     positive = sum(a > 0 for a in align["probe"])
     assert positive >= 0.8 * parts.num_blocks

@@ -96,19 +96,21 @@ class FeedbackMaps:
 
 
 def probe_gradients(
-    parts: ModelParts, items: Sequence[Encoded], micro_batch: int, pad_id: int, progress: bool = False
+    parts: ModelParts, items: Sequence[Encoded], probe_micro_batch: int, pad_id: int,
+    progress: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
     """Head errors E (N×d) and true block-output gradients G_l (N×d) at every predict position.
 
     One forward and one backward pass per micro-batch: the backward starts from ``n(h_L)`` with the
     exact head error as its incoming gradient, so no logits enter the autograd graph, and no
-    parameter gradients are taken (only the input embeddings require grad). Peak memory is that
-    of one micro-batch's forward+backward.
+    parameter gradient is computed or stored (the backward runs to the input embeddings only,
+    whatever the parameters' ``requires_grad``: a model loaded elsewhere keeps ``.grad`` None).
+    Peak memory is that of one micro-batch's forward+backward.
     """
     errors: list[Tensor] = []
     grads: list[list[Tensor]] = [[] for _ in parts.blocks]
     embed = parts.model.get_input_embeddings()
-    batches = make_batches(items, pad_id, batch_size=micro_batch)
+    batches = make_batches(items, pad_id, batch_size=probe_micro_batch)
     for batch in tqdm(batches, desc="calibrate", unit="micro-batch", disable=not progress, leave=False):
         b = batch.to(parts.device)
         captured: dict[int, Tensor] = {}
@@ -122,7 +124,7 @@ def probe_gradients(
                     _, e = head_loss_and_error(
                         hn.detach(), parts.head.weight, parts.head.bias, b.targets, parts.transform
                     )
-                hn.backward(e.to(hn.dtype))
+                hn.backward(e.to(hn.dtype), inputs=[embeds])
         finally:
             for h in handles:
                 h.remove()
@@ -173,9 +175,9 @@ def calibrate(
     probe: Sequence[Encoded],
     heldout_probe: Sequence[Encoded] = (),
     *,
-    rank: int = _DEFAULTS.feedback_rank,
+    feedback_rank: int = _DEFAULTS.feedback_rank,
     beta_rel: float = _DEFAULTS.beta_rel,
-    micro_batch: int = _DEFAULTS.probe_micro_batch,
+    probe_micro_batch: int = _DEFAULTS.probe_micro_batch,
     pad_id: int = 0,
     seed: int = 0,
     pool: list[tuple[Tensor, list[Tensor]]] | None = None,
@@ -195,12 +197,12 @@ def calibrate(
     was_training = parts.model.training
     parts.model.eval()
     try:
-        errors, grads = probe_gradients(parts, probe, micro_batch, pad_id, progress)
+        errors, grads = probe_gradients(parts, probe, probe_micro_batch, pad_id, progress)
         if pool is None:
-            factors = feedback_factors(errors, grads, beta_rel, rank)
+            factors = feedback_factors(errors, grads, beta_rel, feedback_rank)
         else:
             pool.append((errors, grads))
-            factors = feedback_factors(*_pooled(pool), beta_rel, rank)
+            factors = feedback_factors(*_pooled(pool), beta_rel, feedback_rank)
         gen = torch.Generator().manual_seed(seed)
         d = parts.hidden_size
         random_maps = [random_factors(d, factors[0].v.shape[1], gen) for _ in factors]
@@ -212,7 +214,7 @@ def calibrate(
             ],
         }
         if heldout_probe:
-            h_err, h_grads = probe_gradients(parts, heldout_probe, micro_batch, pad_id)
+            h_err, h_grads = probe_gradients(parts, heldout_probe, probe_micro_batch, pad_id)
             diag["heldout"] = [alignment(f, h_err, g) for f, g in zip(factors, h_grads, strict=True)]
     finally:
         parts.model.train(was_training)
@@ -287,9 +289,9 @@ class Calibrator:
         """One probe at the model's current state (adapters included), pooled with ``pool``."""
         cfg = self.cfg
         return calibrate(
-            self.parts, self.probe, self.heldout_probe, rank=cfg.feedback_rank, beta_rel=cfg.beta_rel,
-            micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id, seed=cfg.seed, pool=pool,
-            progress=self.progress,
+            self.parts, self.probe, self.heldout_probe, feedback_rank=cfg.feedback_rank,
+            beta_rel=cfg.beta_rel, probe_micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id,
+            seed=cfg.seed, pool=pool, progress=self.progress,
         )  # fmt: skip
 
     def heldout_alignment(self, maps: FeedbackMaps) -> list[float]:
