@@ -235,7 +235,9 @@ def calibrate(
         "alignment": diag,
         "versions": versions(),
     }
-    maps = FeedbackMaps([FeedbackFactors(f.us.cpu(), f.v.cpu()) for f in factors], fingerprint(parts), meta)
+    # contiguous, as saved: the maps in memory and reloaded ones give bit-identical fits
+    factors = [FeedbackFactors(f.us.cpu().contiguous(), f.v.cpu().contiguous()) for f in factors]
+    maps = FeedbackMaps(factors, fingerprint(parts), meta)
     return maps.to_blocks(parts)
 
 

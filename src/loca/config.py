@@ -1,13 +1,25 @@
-"""Configuration of a LoCA run: one dataclass, the single source for API, CLI and saved JSON."""
+"""Configuration of a LoCA run, in sections: :class:`ModelConfig` (which model, where),
+:class:`DataConfig` (which task, how many examples) and :class:`LocaConfig` (the method: its
+calibration, fit and shared fields, each field tagged with its section). The Python API takes
+these objects, the CLI flags are generated from them, and a run's ``config.json`` stores them
+under ``model``, ``data`` and ``loca``: one name per quantity everywhere."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+# The sections of LocaConfig's fields, in the order the CLI shows them.
+SECTIONS = {
+    "calibration": "Stage I: the feedback maps",
+    "fit": "Stage II: the forward-only fit and its selection",
+    "shared": "sequences, batches and seed (every stage)",
+}
+
 
 def option(default, help: str, **kw):
-    """A dataclass field with its help text (the CLI flag's help); lists get a default factory."""
+    """A dataclass field with its help text (the CLI flag's help) and, for LocaConfig, its
+    ``section``; lists get a default factory."""
     if isinstance(default, list | tuple):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -17,26 +29,32 @@ def option(default, help: str, **kw):
 class LocaConfig:
     """Hyper-parameters of calibration (Stage I) and forward-only fitting (Stage II)."""
 
-    rank: int = option(32, "adapter rank r (A is r×d, fixed; B is d×r, fitted)")
-    feedback_rank: int = option(32, "rank k of each block's feedback map F_l")
-    beta_rel: float = option(1.0, "relative ridge of the feedback fit: β = β_rel·trace(EᵀE)/d")
+    rank: int = option(32, "adapter rank r (A is r×d, fixed; B is d×r, fitted)", section="fit")
+    feedback_rank: int = option(32, "rank k of each block's feedback map F_l", section="calibration")
+    beta_rel: float = option(
+        1.0, "relative ridge of the feedback fit: β = β_rel·trace(EᵀE)/d", section="calibration"
+    )
     lam_rel: list[float] = option(
-        [1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r"
+        [1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r",
+        section="fit",
     )
     ridge_center: str = option(
         "zero",
         "what the adapter solve's ridge pulls B' towards: 'zero' (the paper; λ||B'||² also "
         "shrinks B every iteration) or 'previous' (λ||B' − B||²: a damped step, no shrinkage)",
+        section="fit",
     )
     etas: list[float] = option(
         [0.003, 0.01, 0.03],
         "dimensionless step sizes η: fixed control runs one trajectory per value; adaptive control "
         "starts at the first",
+        section="fit",
     )
     step_scale: str = option(
         "rms",
         "target step: 'rms' = η relative to the residual stream (η·RMS(h)/RMS(F e) per block and "
         "batch); 'absolute' = η as an absolute step (the paper's unnormalised ablation)",
+        section="fit",
     )
     step_control: str = option(
         "adaptive",
@@ -44,45 +62,61 @@ class LocaConfig:
         "trajectory that starts at the first η, grows η by eta_grow after every step that lowers "
         "the held-out CE and, after a step that does not, restores B and retries with η·eta_shrink "
         "on the same training statistics (no new training pass)",
+        section="fit",
     )
-    eta_grow: float = option(1.5, "adaptive control: η factor after an accepted step (≥ 1)")
-    eta_shrink: float = option(0.5, "adaptive control: η factor after a rejected step (< 1)")
+    eta_grow: float = option(1.5, "adaptive control: η factor after an accepted step (≥ 1)", section="fit")
+    eta_shrink: float = option(0.5, "adaptive control: η factor after a rejected step (< 1)", section="fit")
     a_init: str = option(
         "random",
         "the fixed down-projection A: 'random' = N(0, 1/d) from (seed, block); 'principal' = the "
         "top-r principal directions of each block's input at the predict positions (one extra "
         "forward pass over the training data, streamed as a Nyström sketch)",
+        section="fit",
     )
     recalibrate_every: int = option(
         0,
         "adaptive control: refit the feedback maps at the current adapters after every this many "
         "accepted steps (0 = never; each refit costs one probe backward pass, so the fit is no "
         "longer forward-only)",
+        section="fit",
     )
     calibration_rounds: int = option(
         1,
         "Stage I probes, pooled: after the first, each further probe is taken at the adapters of a "
         "short forward-only fit with the maps so far (1 = the paper's single probe at B = 0); "
         "Stage II itself stays forward-only",
+        section="calibration",
     )
-    calibration_round_iters: int = option(5, "steps tried by each calibration round's short fit")
+    calibration_round_iters: int = option(
+        5, "steps tried by each calibration round's short fit", section="calibration"
+    )
     alignment_every: int = option(
         0,
         "diagnostic: every this many iterations, measure the maps' alignment with the true "
         "gradients on the held-out probe at the best adapters so far (one probe backward each; "
         "0 = never; changes no result)",
+        section="fit",
     )
-    max_iters: int = option(20, "maximum number of outer iterations T_max (adaptive: of steps tried)")
+    max_iters: int = option(
+        20, "maximum number of outer iterations T_max (adaptive: of steps tried)", section="fit"
+    )
     patience: int = option(
-        3, "stop a trajectory after this many iterations (adaptive: tries) without held-out improvement"
+        3, "stop a trajectory after this many iterations (adaptive: tries) without held-out improvement",
+        section="fit",
     )
-    groups: int = option(1, "Gauss–Seidel groups: 1 = Jacobi, num_blocks = full Gauss–Seidel")
-    probe_positions: int = option(1000, "minimum number of predict positions in the calibration probe")
-    probe_micro_batch: int = option(8, "sequences per probe micro-batch (bounds the probe's peak memory)")
-    batch_size: int = option(16, "sequences per forward batch in Stage II and evaluation")
-    max_length: int = option(256, "maximum tokens per sequence; prompts are truncated from the left")
-    add_eos: bool = option(True, "append EOS to the completion (and train on it)")
-    seed: int = option(0, "seed of A, probe sampling and random diagnostics")
+    groups: int = option(1, "Gauss–Seidel groups: 1 = Jacobi, num_blocks = full Gauss–Seidel", section="fit")
+    probe_positions: int = option(
+        1000, "minimum number of predict positions in the calibration probe", section="calibration"
+    )
+    probe_micro_batch: int = option(
+        8, "sequences per probe micro-batch (bounds the probe's peak memory)", section="calibration"
+    )
+    batch_size: int = option(16, "sequences per forward batch in Stage II and evaluation", section="shared")
+    max_length: int = option(
+        256, "maximum tokens per sequence; prompts are truncated from the left", section="shared"
+    )
+    add_eos: bool = option(True, "append EOS to the completion (and train on it)", section="shared")
+    seed: int = option(0, "seed of A, probe sampling and random diagnostics", section="shared")
 
     def __post_init__(self) -> None:
         self.lam_rel = [float(x) for x in self.lam_rel]
@@ -149,3 +183,84 @@ PRESETS: dict[str, dict] = {
     ),  # fmt: skip
     "default": {},
 }
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load, where and how."""
+
+    model: str = option(
+        DEFAULT_MODEL,
+        "local folder, hub id, or offline alias (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct)",
+    )
+    device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda if available)")
+    dtype: str = option("float32", "backbone dtype (adapters and statistics stay float32/float64)",
+                        choices=DTYPES)  # fmt: skip
+    trust_remote_code: bool = option(
+        False, "allow running Python code shipped with the model (auto_map); off by default"
+    )
+    random_init: bool = option(
+        False, "random weights from the model's config and tokenizer (for time/memory measurements)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"invalid ModelConfig dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        if not self.model:
+            raise ValueError("ModelConfig.model is empty")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DataConfig:
+    """Which task and how many examples of each split; the splits are drawn with LocaConfig.seed."""
+
+    task: str = option("sst2", "task name (see `loca tasks`) or a JSON Lines file")
+    template: str | None = option(None, "prompt template for a JSON Lines task file")
+    data_dir: str | None = option(
+        None,
+        "folder of task folders in loca's JSON Lines schema (default: $LOCA_DATA_DIR, else the HF hub)",
+    )
+    n_train: int = option(128, "training examples")
+    n_heldout: int = option(64, "held-out examples (selection)")
+    n_test: int = option(200, "test examples (0: the whole test split)")
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}={getattr(self, k)!r}" for k in ("n_train", "n_heldout", "n_test")
+               if not isinstance(getattr(self, k), int) or getattr(self, k) < 0]  # fmt: skip
+        if bad:
+            raise ValueError(f"invalid DataConfig values: {', '.join(bad)} (counts must be integers ≥ 0)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sections_from_dict(obj: dict) -> dict:
+    """The sections a JSON/YAML object holds, as dicts of fields: a run's ``config.json``
+    (``{"model": {...}, "data": {...}, "loca": {...}}``), a bare LocaConfig object, or an older
+    run's config (``"model"`` a name string, ``"dtype"`` beside it). Unknown fields raise."""
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON/YAML object")
+    known = {"model": ModelConfig, "data": DataConfig, "loca": LocaConfig}
+    if not any(k in obj for k in known):
+        obj = {"loca": obj}
+    out: dict[str, dict] = {}
+    for name, cls in known.items():
+        values = obj.get(name)
+        if values is None:
+            continue
+        if name == "model" and isinstance(values, str):  # a config.json written before sections
+            values = {"model": values, **({"dtype": obj["dtype"]} if "dtype" in obj else {})}
+        if not isinstance(values, dict):
+            raise ValueError(f"section {name!r} must be an object")
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown {name} setting(s) {unknown}")
+        out[name] = values
+    return out

@@ -92,6 +92,43 @@ def collect_statistics(
     return out, ce
 
 
+def stage2_pass(
+    parts: ModelParts,
+    adapters: ResidualAdapters,
+    maps: FeedbackMaps,
+    train: Sequence[Batch],
+    b: list[torch.Tensor],
+    eta: float,
+    lam_rel: float,
+    cfg: LocaConfig,
+    groups: list[list[int]] | None = None,
+    first: tuple[dict[int, BlockStats], TokenCE] | None = None,
+) -> tuple[float, tuple[dict[int, BlockStats], TokenCE]]:
+    """One Stage II step: from adapters ``b``, one Gauss–Seidel sweep over ``groups`` (default
+    ``block_groups(L, cfg.groups)``): a forward pass per group collecting its blocks' statistics,
+    then each block's ridge solve with step ``eta``. Leaves the adapters at the new B and returns
+    ``(training CE at b, the first group's statistics)``; pass those back as ``first`` to retry
+    from the same ``b`` with another η without a new forward pass. This is the step
+    :func:`fit` takes and ``loca bench`` times."""
+    groups = groups or block_groups(parts.num_blocks, cfg.groups)
+    adapters.set_b(b)
+    train_ce = math.nan
+    for gi, blocks in enumerate(groups):
+        if gi == 0 and first is not None:
+            stats, ce = first
+        else:
+            stats, ce = collect_statistics(parts, adapters, maps, train, blocks, cfg.step_scale)
+            if gi == 0:
+                first = (stats, ce)
+        if gi == 0:
+            train_ce = ce.mean
+        for l in blocks:
+            adapters.B[l] = solve_block(
+                adapters.B[l], stats[l], maps.factors[l].us, eta, lam_rel, cfg.ridge_center
+            )
+    return train_ce, first
+
+
 @dataclass
 class Trajectory:
     """One candidate's state: its step size, ridge, current B and best held-out CE."""
@@ -163,27 +200,14 @@ class _Fit:
         return ce
 
     def step(self, traj: Trajectory, eta: float) -> tuple[float, float]:
-        """One Gauss–Seidel sweep from ``traj.b`` with step ``eta``; leaves the adapters at the new
-        B and returns ``(training CE at traj.b, held-out CE at the new B)``. The first group's
-        statistics are cached on the trajectory: they depend on ``traj.b`` only, not on η."""
-        self.adapters.set_b(traj.b)
-        train_ce = math.nan
-        for gi, blocks in enumerate(self.groups):
-            if gi == 0 and traj.stats0 is not None:
-                stats, ce = traj.stats0
-            else:
-                stats, ce = collect_statistics(
-                    self.parts, self.adapters, self.maps, self.train, blocks, self.cfg.step_scale
-                )
-                if gi == 0:
-                    traj.stats0 = (stats, ce)
-            if gi == 0:
-                train_ce = ce.mean
-            for l in blocks:
-                us = self.maps.factors[l].us
-                self.adapters.B[l] = solve_block(
-                    self.adapters.B[l], stats[l], us, eta, traj.lam_rel, self.cfg.ridge_center
-                )
+        """One Stage II step from ``traj.b`` with step ``eta`` (:func:`stage2_pass`); leaves the
+        adapters at the new B and returns ``(training CE at traj.b, held-out CE at the new B)``.
+        The first group's statistics are cached on the trajectory: they depend on ``traj.b``
+        only, not on η."""
+        train_ce, traj.stats0 = stage2_pass(
+            self.parts, self.adapters, self.maps, self.train, traj.b, eta, traj.lam_rel, self.cfg,
+            self.groups, first=traj.stats0,
+        )  # fmt: skip
         return train_ce, self.heldout_ce()
 
     def row(self, it: int, traj: Trajectory, eta: float, train_ce: float, ce: float, t0: float) -> dict:
@@ -214,6 +238,28 @@ class _Fit:
                   "median": sorted(per_block)[len(per_block) // 2], "time_s": time.perf_counter() - t0})
 
 
+@dataclass
+class FitState:
+    """Everything :func:`fit` needs to continue after a completed iteration: the trajectories,
+    the best snapshot so far, the history, and the maps if re-calibration replaced them.
+
+    ``fit(..., on_checkpoint=)`` hands one over after every iteration and ``fit(..., resume=)``
+    continues from it to the result an uninterrupted fit gives (on the CPU, bit for bit: every
+    statistic is recomputed from the restored B, deterministically). :mod:`loca.checkpoint`
+    writes and reads it."""
+
+    iteration: int
+    frozen_ce: float
+    trajectories: list[dict]  # Trajectory fields (b included), stats0 left out
+    best: dict  # ce, b, eta, lam_rel, iteration
+    history: list[dict]
+    a: list[torch.Tensor]
+    elapsed_s: float
+    recalibrations: int = 0
+    recalibration_s: float = 0.0
+    maps: FeedbackMaps | None = None  # set once re-calibration replaced the fit's maps
+
+
 def fit(
     parts: ModelParts,
     maps: FeedbackMaps,
@@ -224,6 +270,8 @@ def fit(
     calibrator: Calibrator | None = None,
     on_iteration: Callable[[dict], None] | None = None,
     on_improve: Callable[[ResidualAdapters, dict], None] | None = None,
+    on_checkpoint: Callable[[FitState], None] | None = None,
+    resume: FitState | None = None,
     adapters: ResidualAdapters | None = None,
     progress: bool = True,
 ) -> FitResult:
@@ -232,10 +280,12 @@ def fit(
     ``cfg`` (default :class:`LocaConfig()`) gives every hyper-parameter; ``calibrator`` is needed
     only for re-calibration and the alignment diagnostic. The best snapshot over all candidates and
     iterations (the frozen model, t = 0, included) is restored in a ``finally`` block: an error, a
-    non-finite statistic or an interrupt never leaves a half-updated model. ``on_improve`` is
+    non-finite statistic or an interrupt never leaves a half-updated model (adapters the fit made
+    itself are detached again: the model is left frozen). ``on_improve`` is
     called with the adapters set to each new best (e.g. to save it), ``on_iteration`` with each
-    history row. Pass ``adapters`` to fit (and keep a handle on) an existing set (its A is kept);
-    they are reset to B = 0 first.
+    history row, ``on_checkpoint`` with a :class:`FitState` after each iteration; ``resume``
+    continues from such a state (the same data and ``cfg`` assumed). Pass ``adapters`` to fit
+    (and keep a handle on) an existing set (its A is kept); they are reset to B = 0 first.
     """
     cfg = cfg or LocaConfig()
     if not train:
@@ -246,20 +296,38 @@ def fit(
         raise ValueError("the feedback maps do not match this model's blocks")
     if (cfg.recalibrate_every or cfg.alignment_every) and calibrator is None:
         raise ValueError("recalibrate_every and alignment_every need a Calibrator (fit(..., calibrator=))")
-    start = time.perf_counter()
-    if adapters is None:
+    start = time.perf_counter() - (resume.elapsed_s if resume else 0.0)
+    created = adapters is None or resume is not None  # detached again if the fit fails
+    if resume is not None:
+        adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed, a=resume.a)
+    elif adapters is None:
         a = principal_a(parts, train, cfg.rank, cfg.seed) if cfg.a_init == "principal" else None
         adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed, a=a)
     adapters.attach().reset()
     state = _Fit(parts, maps, train, heldout, cfg, adapters, calibrator, on_iteration, start)
     zero = adapters.get_b()
-    frozen_ce = completion_ce(parts, heldout).mean
-    if not math.isfinite(frozen_ce):
-        adapters.detach()
-        raise NonFiniteStatisticsError(f"the frozen model's held-out CE is {frozen_ce}")
-    state.log({"iteration": 0, "eta": None, "lam_rel": None, "heldout_ce": frozen_ce, "train_ce": None,
-               "b_norm": 0.0})  # fmt: skip
-    best = {"ce": frozen_ce, "b": zero, "eta": None, "lam_rel": None, "iteration": 0}
+    if resume is None:
+        frozen_ce = completion_ce(parts, heldout).mean
+        if not math.isfinite(frozen_ce):
+            adapters.detach()
+            raise NonFiniteStatisticsError(f"the frozen model's held-out CE is {frozen_ce}")
+        state.log({"iteration": 0, "eta": None, "lam_rel": None, "heldout_ce": frozen_ce, "train_ce": None,
+                   "b_norm": 0.0})  # fmt: skip
+        best = {"ce": frozen_ce, "b": zero, "eta": None, "lam_rel": None, "iteration": 0}
+        if cfg.step_control == "fixed":
+            trajectories = [Trajectory(eta, lam, zero, frozen_ce) for eta in cfg.etas for lam in cfg.lam_rel]
+        else:
+            trajectories = [Trajectory(cfg.etas[0], lam, zero, frozen_ce) for lam in cfg.lam_rel]
+        first_it = 1
+    else:
+        frozen_ce, first_it = resume.frozen_ce, resume.iteration + 1
+        state.history = [dict(r) for r in resume.history]
+        state.recalibrations, state.recalibration_s = resume.recalibrations, resume.recalibration_s
+        if resume.maps is not None:
+            state.maps = resume.maps
+        restored = lambda b: zero if all(not x.any() for x in b) else [x.clone() for x in b]  # noqa: E731
+        trajectories = [Trajectory(**{**t, "b": restored(t["b"])}) for t in resume.trajectories]
+        best = {**resume.best, "b": restored(resume.best["b"])}
 
     def consider(traj: Trajectory, eta: float, row: dict, b: list[torch.Tensor]) -> None:
         nonlocal best
@@ -269,14 +337,23 @@ def fit(
             if on_improve:
                 on_improve(adapters, row)
 
-    if cfg.step_control == "fixed":
-        trajectories = [Trajectory(eta, lam, zero, frozen_ce) for eta in cfg.etas for lam in cfg.lam_rel]
-    else:
-        trajectories = [Trajectory(cfg.etas[0], lam, zero, frozen_ce) for lam in cfg.lam_rel]
+    def checkpoint(it: int) -> FitState:
+        keep = ("eta", "lam_rel", "best_ce", "since_best", "stopped", "accepted")
+        return FitState(
+            iteration=it, frozen_ce=frozen_ce,
+            trajectories=[{**{k: getattr(t, k) for k in keep}, "b": t.b} for t in trajectories],
+            best=dict(best), history=list(state.history), a=[x.cpu() for x in adapters.A],
+            elapsed_s=time.perf_counter() - start, recalibrations=state.recalibrations,
+            recalibration_s=state.recalibration_s, maps=state.maps if state.maps is not maps else None,
+        )  # fmt: skip
+
     shared: dict = {}  # every trajectory starts from B = 0: the first pass's statistics are shared
-    bar = tqdm(range(1, cfg.max_iters + 1), desc="LoCA", unit="it", disable=not progress)
+    bar = tqdm(range(first_it, cfg.max_iters + 1), desc="LoCA", unit="it", disable=not progress,
+               initial=first_it - 1, total=cfg.max_iters)  # fmt: skip
     try:
         for it in bar:
+            if all(t.stopped for t in trajectories):
+                break
             for traj in trajectories:
                 if traj.stopped:
                     continue
@@ -326,8 +403,12 @@ def fit(
             if cfg.alignment_every and it % cfg.alignment_every == 0:
                 state.alignment(best["b"], it)
             bar.set_postfix(heldout_ce=f"{best['ce']:.4f}", best_it=best["iteration"])
-            if all(t.stopped for t in trajectories):
-                break
+            if on_checkpoint:
+                on_checkpoint(checkpoint(it))
+    except BaseException:
+        if created:  # nobody holds these adapters: leave the model as it was
+            adapters.detach()
+        raise
     finally:
         bar.close()
         adapters.set_b(best["b"])
