@@ -17,6 +17,7 @@ RECIPES = {
     "bench": "bench",
     "compare": "compare",
     "generate": "generate",
+    "report": "report",
 }
 
 
