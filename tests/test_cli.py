@@ -29,7 +29,7 @@ def test_fit_writes_config_history_results_adapter_and_maps(setup, capsys):
     results = json.loads((out / "results.json").read_text())
     for name in ("frozen", "loca"):
         assert {"heldout_ce", "test_ce", "test_acc"} <= results[name].keys()
-    assert {"eta", "lam", "best_iteration", "wall_time_s", "alignment"} <= results.keys()
+    assert {"eta", "lam_rel", "best_iteration", "wall_time_s", "alignment"} <= results.keys()
     assert len(results["alignment"]["probe"]) == 2
     assert 0 <= results["padding_fraction"]["train"] < 0.5
     assert results["loca"]["heldout_ce"] <= results["frozen"]["heldout_ce"]

@@ -277,8 +277,10 @@ def test_data_and_context_warnings(setup, tmp_path, capsys):
     assert "exceeds the model's context of 256 tokens; using 256" in err
     assert "single choice" in err and "repeat a choice text" in err
     assert "same question and passage" in err
-    assert "--max-iters 0 runs no Stage II iteration" in captured.out
+    assert "--max-iters 0 runs no Stage II iteration" not in err  # an info line: --quiet hides it
     assert "no --out given" in captured.out
+    assert main(argv[:-1]) == 0
+    assert "--max-iters 0 runs no Stage II iteration" in capsys.readouterr().err
     argv[argv.index("999")] = "24"  # the 60-word questions no longer fit
     assert main(argv) == 0
     assert "prompts were cut from the left" in capsys.readouterr().err

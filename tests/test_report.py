@@ -104,15 +104,15 @@ def test_plots_are_png_files_and_nothing_else_is_left(runs):
     assert names == {".loca-run.json", "report.md", "report.json", "heldout_ce.png", "alignment.png"}
 
 
-def test_newer_results_and_alignment_from_the_maps(runs, tmp_path):
+def test_older_results_and_alignment_from_the_maps(runs, tmp_path):
     run = shutil.copytree(runs[2], tmp_path / "adaptive")
     res = _json(run / "results.json")
-    res["lam_rel"] = res.pop("lam")
+    res["lam"] = res.pop("lam_rel")  # as written before results.json said lam_rel
     del res["alignment"]
     (run / "results.json").write_text(json.dumps(res))
     maps = _json(run / "maps" / "feedback_config.json")["alignment"]
     row = table_row(read_run(run))
-    assert row["lam_rel"] == res["lam_rel"] and row["alignment_probe"] == statistics.median(maps["probe"])
+    assert row["lam_rel"] == res["lam"] and row["alignment_probe"] == statistics.median(maps["probe"])
     assert [r.name for r in read_runs([run, runs[2]])] == [str(run), str(runs[2])]  # same folder name
 
 

@@ -2,19 +2,23 @@
 
 Typical use::
 
-    from loca import Calibrator, LocaConfig, find_parts, fit
-    parts, cfg = find_parts(model), LocaConfig()
-    maps = Calibrator(parts, train_items, heldout_items, cfg, pad_id).calibrate()  # Stage I
-    result = fit(parts, maps, train_batches, heldout_batches, cfg)  # Stage II: forward passes only
-    result.adapters.save_pretrained("adapter/")
+    from loca import DataConfig, LocaConfig, ModelConfig, Pipeline
+    run = Pipeline(ModelConfig("smollm2-135m-instruct"), DataConfig("sst2", data_dir="data"), LocaConfig())
+    results = run.run("runs/sst2")  # Stage I, Stage II (forward passes only), test metrics, run folder
+
+    import loca  # later, on a plain Hugging Face model
+    adapters = loca.from_pretrained(model, "runs/sst2/adapter")  # attached; adapters.unload() removes
+
+The building blocks: :class:`Calibrator` (Stage I), :func:`fit` (Stage II), :mod:`loca.evaluation`.
 """
 
-from .adapters import CheckpointMismatchError, ResidualAdapters
+from .adapters import CheckpointMismatchError, ResidualAdapters, from_pretrained
 from .calibrate import Calibrator, FeedbackMaps, calibrate, select_probe
-from .config import LocaConfig
-from .fit import FitResult, fit
+from .config import DataConfig, LocaConfig, ModelConfig
+from .fit import FitResult, FitState, fit
 from .head import LogitTransform, head_loss_and_error
 from .models import ModelParts, UnsupportedModelError, find_parts, fingerprint, load_model
+from .pipeline import Pipeline
 from .ridge import NonFiniteStatisticsError
 
 __version__ = "0.1.0"
@@ -22,18 +26,23 @@ __version__ = "0.1.0"
 __all__ = [
     "Calibrator",
     "CheckpointMismatchError",
+    "DataConfig",
     "FeedbackMaps",
     "FitResult",
+    "FitState",
     "LocaConfig",
     "LogitTransform",
+    "ModelConfig",
     "ModelParts",
     "NonFiniteStatisticsError",
+    "Pipeline",
     "ResidualAdapters",
     "UnsupportedModelError",
     "calibrate",
     "find_parts",
     "fingerprint",
     "fit",
+    "from_pretrained",
     "head_loss_and_error",
     "load_model",
     "select_probe",

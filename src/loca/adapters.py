@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .io import atomic_dir, atomic_write_json
-from .models import ModelParts, fingerprint
+from .models import ModelParts, find_parts, fingerprint
 from .ridge import nystrom_top_eigenvectors
 
 # loca's own file names: PEFT's (adapter_model.safetensors, adapter_config.json) would make PEFT
@@ -144,6 +144,11 @@ class ResidualAdapters:
             if was:
                 self.attach()
 
+    def unload(self):
+        """Detach the adapters and return the base model, unchanged (as PEFT's ``unload``)."""
+        self.detach()
+        return self.parts.model
+
     def __enter__(self) -> ResidualAdapters:
         return self.attach()
 
@@ -234,6 +239,7 @@ class ResidualAdapters:
             "num_blocks": self.parts.num_blocks,
             "fingerprint": fingerprint(self.parts),
             "base_model": getattr(self.parts.model.config, "_name_or_path", None) or None,
+            "base_model_revision": getattr(self.parts.model.config, "_commit_hash", None),
         }
 
     def save_pretrained(self, directory: str | Path, extra: dict | None = None) -> Path:
@@ -253,8 +259,11 @@ class ResidualAdapters:
         return Path(directory)
 
     @classmethod
-    def from_pretrained(cls, parts: ModelParts, directory: str | Path) -> ResidualAdapters:
-        """Load adapters saved by :meth:`save_pretrained`; the checkpoint must match."""
+    def from_pretrained(cls, model, directory: str | Path) -> ResidualAdapters:
+        """Load adapters saved by :meth:`save_pretrained` for ``model`` (a plain Hugging Face causal
+        LM or its :class:`ModelParts`), detached; the checkpoint must match. See also
+        :func:`from_pretrained`, which attaches them."""
+        parts = model if isinstance(model, ModelParts) else find_parts(model)
         directory = Path(directory)
         weights_name, cfg_name = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
         if not (directory / cfg_name).is_file() and (directory / LEGACY_NAMES[1]).is_file():
@@ -286,6 +295,14 @@ class ResidualAdapters:
         return adapters
 
 
+def from_pretrained(model, directory: str | Path) -> ResidualAdapters:
+    """The LoCA adapters saved in ``directory``, attached to ``model`` (a plain Hugging Face causal
+    LM): ``model(...)`` and ``model.generate(...)`` then run with them; ``.unload()`` (or
+    ``.detach()``) returns the frozen model, ``with adapters.disable_adapter():`` runs it for a
+    while. Refused for another checkpoint than the one they were fitted on."""
+    return ResidualAdapters.from_pretrained(model, directory).attach()
+
+
 def _model_card(config: dict) -> str:
     """A short README for an adapter folder: what it is and how to load it."""
     sel = config.get("selection") or {}
@@ -298,14 +315,17 @@ def _model_card(config: dict) -> str:
         f"- base model: `{config.get('base_model')}` (weights fingerprint "
         f"`{config['fingerprint']['weights_sha256'][:16]}…`, {config['num_blocks']} blocks, "
         f"d = {config['hidden_size']})",
-        f"- rank r = {config['rank']}, seed {config['seed']}",
+        f"- rank r = {config['rank']}, feedback rank k = {config.get('feedback_rank', 'n/a')}, "
+        f"seed {config['seed']}",
         f"- task: {config.get('task', 'n/a')}; selection: held-out CE {sel.get('heldout_ce', 'n/a')} "
-        f"at iteration {sel.get('iteration', 'n/a')}",
+        f"at iteration {sel.get('iteration', 'n/a')} (η {sel.get('eta', 'n/a')})",
+        *_metrics_lines(config.get("metrics")),
         "",
         "```python",
-        "from loca import ResidualAdapters, find_parts, load_model",
-        "model, tok = load_model(\"<the base model>\")",
-        "adapters = ResidualAdapters.from_pretrained(find_parts(model), \"<this folder>\").attach()",
+        "import loca",
+        "from transformers import AutoModelForCausalLM",
+        "model = AutoModelForCausalLM.from_pretrained(\"<the base model>\")",
+        "adapters = loca.from_pretrained(model, \"<this folder>\")  # attached; .unload() removes them",
         "```",
         "",
         "Not a PEFT adapter: PEFT and transformers cannot load it; loca checks the base model's",
@@ -313,6 +333,14 @@ def _model_card(config: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _metrics_lines(metrics: dict | None) -> list[str]:
+    if not metrics:
+        return []
+    f, m = metrics["frozen"], metrics["loca"]
+    return [f"- test ({m['n_test']} examples): CE {f['test_ce']:.4f} → {m['test_ce']:.4f}, "
+            f"acc {f['test_acc']:.3f} → {m['test_acc']:.3f} (frozen → LoCA)"]  # fmt: skip
 
 
 def read_json_object(path: Path) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import signal
 import sys
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. An error ends in one line on stderr (exit 2 for bad input, 1 for any
     other failure); ``loca --debug ...`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    configure_logging(quiet=getattr(args, "quiet", False), verbose=getattr(args, "verbose", False))
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args._run(args) or 0)
@@ -64,6 +66,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if bad_input else 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to whatever ``sys.stderr`` is at the time (so captured streams see the lines)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
+class _Format(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            return f"loca: {record.levelname.lower()}: {text}"
+        return text
+
+
+def configure_logging(quiet: bool = False, verbose: bool = False) -> None:
+    """The ``loca`` logger for the command line: messages on stderr, warnings as ``loca:
+    warning: ...``; ``quiet`` keeps warnings and errors only, ``verbose`` adds debug lines."""
+    logger = logging.getLogger("loca")
+    for h in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
+        logger.removeHandler(h)
+    handler = _StderrHandler()
+    handler.setFormatter(_Format())
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
+    logger.propagate = False
 
 
 class Terminated(BaseException):

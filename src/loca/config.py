@@ -261,6 +261,6 @@ def sections_from_dict(obj: dict) -> dict:
             raise ValueError(f"section {name!r} must be an object")
         unknown = sorted(set(values) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"unknown {name} setting(s) {unknown}")
+            raise ValueError(f"unknown {'LoCA' if name == 'loca' else name} setting(s) {unknown}")
         out[name] = values
     return out

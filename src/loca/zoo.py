@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -108,7 +109,7 @@ def _spec(name: str) -> AliasSpec:
 
 
 def _log(msg: str) -> None:
-    print(f"loca: {msg}", file=sys.stderr, flush=True)
+    logging.getLogger("loca").info(f"loca: {msg}")
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -8,7 +8,8 @@ Phases: ``forward`` (a plain inference forward pass of the causal LM, logits inc
 would run it), ``backbone`` (the same without the LM head: the strict lower bound of any pass),
 ``calibrate`` (Stage I: probe forward+backward and the ridge fits), ``stage2`` (one Stage II pass:
 inference-mode forward with the statistics, head error at predict positions, and the block
-solves, with non-zero adapters attached). Writes ``DIR/bench.json``.
+solves, with non-zero adapters attached: :func:`loca.fit.stage2_pass`, the very step ``loca fit``
+takes). Writes ``DIR/bench.json``.
 """
 
 from __future__ import annotations
@@ -21,19 +22,20 @@ import torch
 
 from ..adapters import ResidualAdapters
 from ..bench import measure_phases
-from ..fit import collect_statistics
+from ..calibrate import Calibrator
+from ..fit import block_groups, stage2_pass
 from ..io import atomic_write_json
-from ..ridge import solve_block
 from ..runs import prepare_run_dir
 from ..versions import versions
-from .common import add_config_args, add_data_args, add_model_args, setup_run
+from .common import add_config_args, add_data_args, add_model_args, pipeline_from_args
 
 PHASES = ("forward", "backbone", "calibrate", "stage2")
+DATA_DEFAULTS = dict(n_train=64, n_heldout=1, n_test=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    add_data_args(p, n_train=64, n_heldout=1, n_test=1)
+    add_data_args(p, **DATA_DEFAULTS)
     add_config_args(p)
     p.add_argument(
         "--phases",
@@ -52,22 +54,25 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
     if not phases:
         raise ValueError(f"--phases names no phase; choose from {PHASES}")
-    prepare_run_dir(args.out, "bench", model=args.model, overwrite=args.overwrite, writes=("bench.json",))
-    run = setup_run(args)
-    cfg, model, parts, task = run.cfg, run.model, run.parts, run.task
-    items = run.encode(run.splits.train)
+    run = pipeline_from_args(args, **DATA_DEFAULTS)
+    model_cfg = run.model_config
+    prepare_run_dir(args.out, "bench", model=model_cfg.model, overwrite=args.overwrite,
+                    writes=("bench.json",))  # fmt: skip
+    model, parts, task = run.model, run.parts, run.task
+    cfg = run.cfg
+    items = run.encoded()[0]
     batches = run.batches(items)
     dev = parts.device
     on_dev = [b.to(dev) for b in batches]
 
-    def calib():
-        return run.calibrator(items).calibrate()
+    def calib():  # Stage I on the training items (no held-out alignment diagnostic)
+        return Calibrator(parts, items, [], cfg, run.pad_id).calibrate()
 
     maps = calib()  # stage2 needs maps whether or not calibrate is timed
     adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    adapters.set_b([1e-3 * torch.randn(b.shape, generator=gen) for b in adapters.B])
-    blocks = range(parts.num_blocks)
+    b_start = [1e-3 * torch.randn(b.shape, generator=gen) for b in adapters.B]
+    groups = block_groups(parts.num_blocks, cfg.groups)
 
     @torch.inference_mode()
     def forward():
@@ -81,9 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     def stage2():
         with adapters:
-            stats, _ = collect_statistics(parts, adapters, maps, on_dev, blocks)
-            for l in blocks:
-                solve_block(adapters.B[l], stats[l], maps.factors[l].us, cfg.etas[0], cfg.lam_rel[0])
+            stage2_pass(parts, adapters, maps, on_dev, b_start, cfg.etas[0], cfg.lam_rel[0], cfg, groups)
 
     fns = {"forward": forward, "backbone": backbone, "calibrate": calib, "stage2": stage2}
     results = measure_phases({p: fns[p] for p in phases}, dev, repeats=args.repeats)
@@ -111,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
         "ratios": ratios,
         "statistics_bytes": stat_bytes,
         "setup": {
-            "model": args.model,
+            "model": model_cfg.model,
             "task": task.name,
-            "dtype": args.dtype,
+            "dtype": model_cfg.dtype,
             "device": str(dev),
             "sequences": len(items),
             "batches": len(batches),

@@ -1,72 +1,38 @@
-"""Argument groups and set-up steps shared by the recipes."""
+"""Argument groups generated from the configuration sections, and the set-up shared by the
+recipes: flags → (ModelConfig, DataConfig, LocaConfig) → :class:`loca.pipeline.Pipeline`.
+
+Every section flag is "given or not": a flag left out takes its value from ``--config FILE``, then
+from ``--preset`` (LoCA section), then from the command's default, so a run's own ``config.json``
+reproduces it and a flag on top changes just that value."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import sys
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import MISSING, fields
 from pathlib import Path
 
-from ..calibrate import Calibrator
-from ..config import PRESETS, LocaConfig
-from ..data import (
-    Batch,
-    Encoded,
-    Splits,
-    Task,
-    degenerate_warnings,
-    encode_examples,
-    get_task,
-    load_splits,
-    make_batches,
-)  # fmt: skip
-from ..data.batching import pad_token_id
+from ..config import PRESETS, SECTIONS, DataConfig, LocaConfig, ModelConfig, sections_from_dict
 from ..data.sources import DATA_DIR_ENV
-from ..models import ModelParts, clamp_max_length, find_parts, load_model
+from ..pipeline import Pipeline
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
+log = logging.getLogger("loca")
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="local folder, hub id, or offline alias (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct)",
-    )
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)")
-    g.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="backbone dtype (adapters and statistics stay float32/float64)",
-    )
-    g.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow running Python code shipped with the model (auto_map); off by default",
-    )
-    g.add_argument(
-        "--random-init",
-        action="store_true",
-        help="random weights from the model's config and tokenizer (for time/memory measurements)",
-    )
+    """The model section's flags."""
+    add_dataclass_args(p, ModelConfig, title="model", only_given=True)
 
 
-def add_data_args(p: argparse.ArgumentParser, *, n_train: int, n_heldout: int, n_test: int) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--task", default="sst2", help="task name (see `loca tasks`) or a JSON Lines file")
-    g.add_argument("--template", default=None, help="prompt template for a JSON Lines task file")
-    g.add_argument(
-        "--data-dir",
-        default=None,
-        help="folder of task folders in loca's JSON Lines schema (default: $LOCA_DATA_DIR, else the "
-        "HF hub)",
-    )
-    g.add_argument("--n-train", type=int, default=n_train, help="training examples")
-    g.add_argument("--n-heldout", type=int, default=n_heldout, help="held-out examples (selection)")
-    g.add_argument("--n-test", type=int, default=n_test, help="test examples (0: the whole test split)")
+def add_data_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """The data section's flags; ``defaults`` are this command's (e.g. ``n_train=512``)."""
+    add_dataclass_args(p, DataConfig, title="data", only_given=True, defaults=defaults)
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--quiet", action="store_true", help="warnings and errors only; no progress bars")
+    g.add_argument("--verbose", action="store_true", help="also debug messages")
 
 
 def resolve_data_dir(arg: str | None) -> str | None:
@@ -77,30 +43,35 @@ def resolve_data_dir(arg: str | None) -> str | None:
 
 def add_dataclass_args(
     p: argparse.ArgumentParser, cls, *, title: str, prefix: str = "", skip: tuple[str, ...] = (),
-    only_given: bool = False,
+    only_given: bool = False, defaults: dict | None = None, section: str | None = None,
+    description: str | None = None,
 ) -> argparse._ArgumentGroup:  # fmt: skip
     """One flag per field of the dataclass ``cls`` (``--{prefix}-{field}``), with its help text and
-    default; lists take several values, booleans ``--x/--no-x``. With ``only_given`` a flag left
-    out sets nothing (the dataclass or a preset supplies the value)."""
-    g = p.add_argument_group(title)
+    default (``defaults`` overrides the field's, for this command); lists take several values,
+    booleans ``--x/--no-x``, fields with ``choices`` metadata are checked. ``section``: only the
+    fields of that section. With ``only_given`` a flag left out sets nothing (a config file, a
+    preset or ``defaults`` supply the value)."""
+    g = p.add_argument_group(title, description)
     for f in fields(cls):
-        if f.name in skip:
+        if f.name in skip or (section and f.metadata.get("section") != section):
             continue
         flag = "--" + (f"{prefix}-" if prefix else "") + f.name.replace("_", "-")
         dest = (f"{prefix.replace('-', '_')}_" if prefix else "") + f.name
         default = f.default if f.default is not MISSING else f.default_factory()
+        default = (defaults or {}).get(f.name, default)
         help_text = f.metadata["help"] + f" (default {default})"
         if only_given:
             default = argparse.SUPPRESS
         kind = _field_type(f)
         if kind is bool:
             g.add_argument(flag, dest=dest, default=default, action=argparse.BooleanOptionalAction,
-                           help=f.metadata["help"])
+                           help=help_text)  # fmt: skip
         elif isinstance(kind, list):
             g.add_argument(flag, dest=dest, type=_comma_list(kind[0]), nargs="+", default=default,
                            help=help_text + "; space- or comma-separated")
         else:
-            g.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)
+            g.add_argument(flag, dest=dest, type=kind, default=default, help=help_text,
+                           choices=f.metadata.get("choices"))  # fmt: skip
     return g
 
 
@@ -137,114 +108,96 @@ def dataclass_from_args(cls, args: argparse.Namespace, prefix: str = "", build: 
     return cls(**values) if build else values
 
 
-def add_config_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """``--preset`` and one flag per LocaConfig field (a flag given overrides the preset)."""
-    g = add_dataclass_args(p, LocaConfig, title="LoCA hyper-parameters", skip=skip, only_given=True)
-    g.add_argument("--preset", default="default", choices=sorted(PRESETS),
-                   help="named configuration the flags start from ('paper': the paper's method)")
+def add_config_args(
+    p: argparse.ArgumentParser, skip: tuple[str, ...] = (), sections: tuple[str, ...] = tuple(SECTIONS),
+    notes: dict[str, str] | None = None,
+) -> None:  # fmt: skip
+    """The LoCA section's flags, one group per section (``notes`` adds a line to a group's
+    description), plus ``--preset`` and ``--config``."""
+    for section in sections:
+        add_dataclass_args(p, LocaConfig, title=f"LoCA: {SECTIONS[section]}", skip=skip, only_given=True,
+                           section=section, description=(notes or {}).get(section))  # fmt: skip
+    g = p.add_argument_group("configuration")
+    g.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="named LoCA configuration the flags start from ('paper': the paper's method; "
+                   "default 'default')")  # fmt: skip
     g.add_argument("--config", default=None, metavar="FILE",
-                   help="LoCA hyper-parameters from a JSON file: a run's config.json (its 'loca' "
-                   "section) or a LocaConfig object; applied over --preset, under the flags given")
-
-
-def config_from_args(args: argparse.Namespace) -> LocaConfig:
-    """The run's LocaConfig: the preset, then ``--config FILE``, then the flags given."""
-    given = dataclass_from_args(LocaConfig, args, build=False)
-    from_file = read_config_file(args.config) if getattr(args, "config", None) else {}
-    return LocaConfig.preset(args.preset, **{**from_file, **given})
+                   help="settings from a JSON or YAML file: a run's config.json (its model, data and "
+                   "loca sections) or an object of LoCA settings; flags given override it")  # fmt: skip
 
 
 def read_config_file(path: str) -> dict:
-    """The LocaConfig fields held by a JSON file (a run's ``config.json`` or a bare object)."""
-    import json
-
+    """The sections (``model``, ``data``, ``loca``) a JSON or YAML file holds."""
+    text_path = Path(path)
     try:
-        obj = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--config {path}: not readable JSON ({exc})") from None
-    values = obj.get("loca", obj) if isinstance(obj, dict) else None
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: expected a JSON object of LoCA settings")
-    unknown = sorted(set(values) - set(LocaConfig().to_dict()))
-    if unknown:
-        raise ValueError(f"--config {path}: unknown LoCA setting(s) {unknown}")
-    return values
+        text = text_path.read_text()
+        if text_path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            obj = yaml.safe_load(text)
+        else:
+            import json
+
+            obj = json.loads(text)
+    except Exception as exc:  # OSError, JSON or YAML syntax: one message
+        raise ValueError(f"--config {path}: not a readable JSON/YAML file ({exc})") from None
+    try:
+        return sections_from_dict(obj)
+    except ValueError as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
 
 
-@dataclass
-class RunSetup:
-    """What every recipe starts from: the task, its splits, the model and its tokenizer."""
+def _file_sections(args: argparse.Namespace) -> dict:
+    return read_config_file(args.config) if getattr(args, "config", None) else {}
 
-    cfg: LocaConfig
-    task: Task
-    splits: Splits
-    data_dir: str | None
-    model: object
-    tokenizer: object
-    parts: ModelParts
 
-    @property
-    def pad_id(self) -> int:
-        return pad_token_id(self.tokenizer)
+def config_from_args(args: argparse.Namespace) -> LocaConfig:
+    """The LoCA section: the preset, then ``--config FILE``, then the flags given."""
+    given = dataclass_from_args(LocaConfig, args, build=False)
+    from_file = _file_sections(args).get("loca", {})
+    return LocaConfig.preset(getattr(args, "preset", None) or "default", **{**from_file, **given})
 
-    def encode(self, examples) -> list[Encoded]:
-        """Prompt + gold completion sequences, with the run's max length and EOS setting."""
-        return encode_examples(
-            self.tokenizer, self.task, examples, max_length=self.cfg.max_length, add_eos=self.cfg.add_eos
-        )
 
-    def batches(self, items: list[Encoded]) -> list[Batch]:
-        return make_batches(items, self.pad_id, batch_size=self.cfg.batch_size)
+def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The model section: its defaults, then ``--config FILE``, then the flags given."""
+    return ModelConfig(**{**_file_sections(args).get("model", {}),
+                          **dataclass_from_args(ModelConfig, args, build=False)})  # fmt: skip
 
-    def calibrator(
-        self, train: list[Encoded], heldout: list[Encoded] = (), progress: bool = False
-    ) -> Calibrator:
-        """Stage I bound to the run's configuration and data (see :class:`loca.calibrate.Calibrator`)."""
-        return Calibrator(self.parts, train, heldout, self.cfg, self.pad_id, progress=progress)
+
+def sections_from_args(
+    args: argparse.Namespace, **data_defaults
+) -> tuple[ModelConfig, DataConfig, LocaConfig]:
+    """The three sections of a run (``data_defaults``: this command's data defaults)."""
+    data = {**data_defaults, **_file_sections(args).get("data", {}),
+            **dataclass_from_args(DataConfig, args, build=False)}  # fmt: skip
+    data["data_dir"] = resolve_data_dir(data.get("data_dir"))
+    return model_config_from_args(args), DataConfig(**data), config_from_args(args)
+
+
+def pipeline_from_args(args: argparse.Namespace, **data_defaults) -> Pipeline:
+    """The run the flags describe (nothing loaded yet)."""
+    model, data, cfg = sections_from_args(args, **data_defaults)
+    return Pipeline(model, data, cfg, progress=not getattr(args, "quiet", False))
+
+
+def given_loca_flags(args: argparse.Namespace) -> set[str]:
+    """The LoCA fields given as flags on the command line."""
+    return set(dataclass_from_args(LocaConfig, args, build=False))
 
 
 def refuse_flags(args: argparse.Namespace, names: set[str], why: str) -> None:
     """Raise ValueError if any LoCA flag in ``names`` was given on the command line."""
-    given = sorted(names & set(dataclass_from_args(LocaConfig, args, build=False)))
+    given = sorted(names & given_loca_flags(args))
     if given:
         flags = ", ".join("--" + g.replace("_", "-") for g in given)
         raise ValueError(f"{flags} {why}")
 
 
+def section_fields(section: str) -> set[str]:
+    """The LocaConfig fields of one section (``calibration``, ``fit`` or ``shared``)."""
+    return {f.name for f in fields(LocaConfig) if f.metadata["section"] == section}
+
+
 def warn(message: str) -> None:
     """A warning line on stderr (the run goes on)."""
-    print(f"loca: warning: {message}", file=sys.stderr)
-
-
-def fit_to_context(max_length: int, model) -> int:
-    """``max_length`` clamped to the model's context length, warning when it had to be."""
-    length, note = clamp_max_length(max_length, model)
-    if note:
-        warn(f"--{note.replace('_', '-', 1)}")
-    return length
-
-
-def setup_run(args: argparse.Namespace) -> RunSetup:
-    """Parse the config, load the task's splits (before the model: data errors come first), then
-    load the model; warn about degenerate data and clamp ``max_length`` to the model's context."""
-    cfg = config_from_args(args)
-    task = get_task(args.task, template=args.template)
-    data_dir = resolve_data_dir(args.data_dir)
-    splits = load_splits(
-        task, n_train=args.n_train, n_heldout=args.n_heldout, n_test=args.n_test, seed=cfg.seed,
-        data_dir=data_dir,
-    )  # fmt: skip
-    for message in degenerate_warnings(splits):
-        warn(f"task {task.name!r}: {message}")
-    model, tokenizer, parts = setup_model(args)
-    cfg = replace(cfg, max_length=fit_to_context(cfg.max_length, model))
-    return RunSetup(cfg, task, splits, data_dir, model, tokenizer, parts)
-
-
-def setup_model(args: argparse.Namespace):
-    """``(model, tokenizer, parts)`` from the model flags."""
-    model, tokenizer = load_model(
-        args.model, device=args.device, dtype=args.dtype, random_init=args.random_init,
-        trust_remote_code=args.trust_remote_code,
-    )  # fmt: skip
-    return model, tokenizer, find_parts(model)
+    log.warning(message)

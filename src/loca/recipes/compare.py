@@ -23,9 +23,9 @@ from ..baselines.mezo import MezoSettings
 from ..compare import CompareSettings, MethodConfigs, run_compare
 from ..compare.report import write_report
 from ..compare.store import CellStore
+from ..config import DEFAULT_MODEL
 from ..runs import prepare_run_dir, run_command
 from .common import (
-    DEFAULT_MODEL,
     add_config_args,
     add_dataclass_args,
     config_from_args,

@@ -14,101 +14,77 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from ..config import LocaConfig
-from ..data import Splits, degenerate_warnings, get_task, load_test
-from ..evaluation import evaluate
+from ..config import DataConfig, LocaConfig
 from ..io import atomic_write_json
 from ..models import fingerprint
 from ..runs import prepare_run_dir, require_finite, undefined_as_none
 from ..versions import versions
-from .common import add_model_args, fit_to_context, resolve_data_dir, setup_model, warn
-
-_DEFAULTS = LocaConfig()
+from .common import (
+    add_dataclass_args,
+    add_model_args,
+    add_output_args,
+    pipeline_from_args,
+    warn,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    g = p.add_argument_group("data")
-    g.add_argument("--task", required=True,
-                   help="task name (see `loca tasks`) or a JSON Lines file (needs --template)")
-    g.add_argument("--template", default=None,
-                   help="prompt template with {question} and optionally {passage}")
-    g.add_argument("--data-dir", default=None,
-                   help="folder of task folders in loca's JSON Lines schema (default: "
-                        "$LOCA_DATA_DIR, else the HF hub)")
-    g.add_argument("--n-test", type=int, default=0,
-                   help="test examples, a seeded sample (0: the whole test split)")
-    g.add_argument("--seed", type=int, default=_DEFAULTS.seed,
-                   help="seed of the test sample (use the fit's seed to get its test set)")
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--adapter", default=None,
-                   help="folder of saved LoCA adapters (from `loca fit`) to attach")
-    g.add_argument("--max-length", type=int, default=_DEFAULTS.max_length,
-                   help=f"maximum tokens per sequence (default {_DEFAULTS.max_length}); "
-                        "prompts are truncated from the left")
-    g.add_argument("--batch-size", type=int, default=_DEFAULTS.batch_size,
-                   help=f"sequences per forward batch (default {_DEFAULTS.batch_size})")
-    g.add_argument("--add-eos", default=None, action=argparse.BooleanOptionalAction,
-                   help="count EOS after the answer in test_ce (default: the task's setting)")
+    add_dataclass_args(p, DataConfig, title="data", skip=("n_train", "n_heldout"), only_given=True,
+                       defaults={"n_test": 0})  # fmt: skip
+    add_dataclass_args(p, LocaConfig, title="evaluation", section="shared", only_given=True,
+                       description="--add-eos defaults to the task's setting; --seed draws the test "
+                       "sample (a fit's seed gives its test set)")  # fmt: skip
+    g = p.add_argument_group("run")
+    g.add_argument("--adapter", default=None, help="saved LoCA adapter folder (from `loca fit`) to attach")
     g.add_argument("--out", required=True, help="output folder; receives results.json")
     g.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier `loca evaluate` run's results in --out")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+                   help="replace an earlier `loca evaluate` run's results in --out")  # fmt: skip
+    add_output_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    if args.max_length < 2 or args.batch_size < 1:
-        raise ValueError("--max-length must be at least 2 and --batch-size at least 1")
-    prepare_run_dir(
-        args.out, "evaluate", model=args.model, overwrite=args.overwrite, writes=("results.json",)
-    )
-    task = get_task(args.task, template=args.template)
-    data_dir = resolve_data_dir(args.data_dir)
-    examples, record = load_test(task, n_test=args.n_test, seed=args.seed, data_dir=data_dir)
-    add_eos = task.add_eos if args.add_eos is None else args.add_eos
-    model, tokenizer, parts = setup_model(args)
-    args.max_length = fit_to_context(args.max_length, model)
-    probe = Splits(train=[], heldout=[], test=examples)
-    for message in degenerate_warnings(probe):
-        warn(f"task {task.name!r}: {message}")
+    pipeline = pipeline_from_args(args, n_test=0)
+    if not hasattr(args, "add_eos"):
+        pipeline.cfg = replace(pipeline.cfg, add_eos=pipeline.task.add_eos)
+    prepare_run_dir(args.out, "evaluate", model=pipeline.model_config.model, overwrite=args.overwrite,
+                    writes=("results.json",))  # fmt: skip
+    examples, record = pipeline.test_set()
     adapters = None
     if args.adapter:
         from ..adapters import ResidualAdapters
 
-        adapters = ResidualAdapters.from_pretrained(parts, args.adapter).attach()
-    try:
-        t0 = time.perf_counter()
-        metrics = evaluate(parts, tokenizer, task, examples, max_length=args.max_length,
-                           batch_size=args.batch_size, add_eos=add_eos, progress=not args.quiet)
-        eval_s = time.perf_counter() - t0
-    finally:
-        if adapters is not None:
-            adapters.detach()
+        adapters = ResidualAdapters.from_pretrained(pipeline.parts, args.adapter)
+    t0 = time.perf_counter()
+    metrics = pipeline.evaluate(examples, adapters)
+    eval_s = time.perf_counter() - t0
+    cfg, m = pipeline.cfg, pipeline.model_config
     results = {
         **undefined_as_none(metrics),  # test_ce, test_ce_no_eos, acc, acc_norm, n_test, ... at the top level
         "command": "evaluate",
-        "model": args.model,
-        "dtype": args.dtype,
-        "device": str(parts.device),
+        "model": m.model,
+        "dtype": m.dtype,
+        "device": str(pipeline.parts.device),
         "adapter": args.adapter,
         "adapter_norm": None if adapters is None else adapters.norm(),
-        "task": task.describe(),
-        "data_dir": data_dir,
-        "settings": {"max_length": args.max_length, "batch_size": args.batch_size,
-                     "add_eos": add_eos, "n_test": args.n_test, "seed": args.seed},
+        "task": pipeline.task.describe(),
+        "data_dir": pipeline.data.data_dir,
+        "settings": {"max_length": cfg.max_length, "batch_size": cfg.batch_size, "add_eos": cfg.add_eos,
+                     "n_test": pipeline.data.n_test, "seed": cfg.seed},  # fmt: skip
         "test_set": record,
-        "fingerprint": fingerprint(parts),
+        "fingerprint": fingerprint(pipeline.parts),
         "versions": versions(),
         "eval_wall_time_s": eval_s,
         "wall_time_s": time.perf_counter() - start,
     }
-    print(format_metrics(task.name, args.model, metrics, adapter=args.adapter))
+    print(format_metrics(pipeline.task.name, m.model, metrics, adapter=args.adapter))
     if metrics["n_truncated"]:
         warn(f"{metrics['n_truncated']} of {metrics['n_test']} prompts were cut from the left to fit "
-             f"--max-length {args.max_length}; their question may be lost")  # fmt: skip
+             f"--max-length {cfg.max_length}; their question may be lost")  # fmt: skip
     out = Path(args.out) / "results.json"
     require_finite(metrics, "the evaluation")
     atomic_write_json(out, results)

@@ -15,7 +15,9 @@ import argparse
 
 import torch
 
-from .common import add_model_args, setup_model
+from ..adapters import from_pretrained
+from ..models import load_model
+from .common import add_model_args, model_config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,20 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
-    model, tokenizer, parts = setup_model(args)
+    m = model_config_from_args(args)
+    model, tokenizer = load_model(m.model, device=m.device, dtype=m.dtype, random_init=m.random_init,
+                                  trust_remote_code=m.trust_remote_code)  # fmt: skip
     text = args.prompt
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"--chat: the tokenizer of {args.model} has no chat template")
+            raise ValueError(f"--chat: the tokenizer of {m.model} has no chat template")
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
         )
-    ids = tokenizer(text, return_tensors="pt").input_ids.to(parts.device)
-    adapters = None
-    if args.adapter:
-        from ..adapters import ResidualAdapters
-
-        adapters = ResidualAdapters.from_pretrained(parts, args.adapter).attach()
+    ids = tokenizer(text, return_tensors="pt").input_ids.to(model.device)
+    adapters = from_pretrained(model, args.adapter) if args.adapter else None
     try:
         outputs = {"loca" if adapters else "frozen": continuation(model, tokenizer, ids, args.max_new_tokens)}
         if adapters and args.compare:
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                 outputs["frozen"] = continuation(model, tokenizer, ids, args.max_new_tokens)
     finally:
         if adapters is not None:
-            adapters.detach()
+            adapters.unload()
     for name, out in outputs.items():
         print(f"[{name}] {out}")
     return 0

@@ -1,0 +1,413 @@
+"""One LoCA run as a library object: set-up, calibration, fit, evaluation and the run folder.
+
+Every command uses it (the CLI recipes only parse flags and print), and so can Python code::
+
+    from loca import DataConfig, LocaConfig, ModelConfig, Pipeline
+    run = Pipeline(ModelConfig("smollm2-135m-instruct"), DataConfig("sst2", data_dir="data"))
+    results = run.run("runs/sst2")  # calibrate, fit forward-only, evaluate; writes the run folder
+
+A run folder holds ``config.json`` (the three configuration sections plus the exact splits,
+fingerprint and versions: ``Pipeline.from_run(folder)`` rebuilds the run from it), ``maps/``,
+``history.jsonl``, ``adapter/`` (the best snapshot, replaced atomically on every improvement),
+``checkpoint/`` while the fit runs (``run(..., resume=True)`` continues from it) and
+``results.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .adapters import CONFIG_NAMES, ResidualAdapters
+from .calibrate import MAPS_CONFIG, Calibrator, FeedbackMaps
+from .checkpoint import STATE_CONFIG, load_fit_state, save_fit_state
+from .config import DataConfig, LocaConfig, ModelConfig, sections_from_dict
+from .data import Batch, Encoded, Splits, degenerate_warnings, encode_examples, get_task, load_splits
+from .data import load_test as load_test_split
+from .data.batching import make_batches, pad_token_id, padding_fraction
+from .data.encoding import count_truncated
+from .evaluation import evaluate
+from .fit import FitResult, fit
+from .io import atomic_write_json, atomic_write_text, is_artefact
+from .models import ModelParts, clamp_max_length, find_parts, fingerprint, load_model
+from .runs import prepare_run_dir, require_finite, run_command
+from .versions import versions
+
+log = logging.getLogger("loca")
+
+# what `loca fit` writes into its folder
+RUN_FILES = ("config.json", "history.jsonl", "results.json", "adapter", "maps", "checkpoint")
+
+
+class Pipeline:
+    """A LoCA run from its configuration sections. Data and model load lazily, once; the model
+    may also be given (``model=`` and ``tokenizer=``) to run on one already in memory."""
+
+    def __init__(
+        self,
+        model: ModelConfig | None = None,
+        data: DataConfig | None = None,
+        loca: LocaConfig | None = None,
+        *,
+        progress: bool = True,
+        model_object=None,
+        tokenizer=None,
+    ):
+        self.model_config = model or ModelConfig()
+        self.data = data or DataConfig()
+        self.cfg = loca or LocaConfig()
+        self.progress = progress
+        self.task = get_task(self.data.task, template=self.data.template)
+        self._splits: Splits | None = None
+        self._model = None
+        self._encoded: tuple[list[Encoded], list[Encoded]] | None = None
+        self._calibrator: Calibrator | None = None
+        if model_object is not None:
+            if tokenizer is None:
+                raise ValueError("Pipeline(model_object=...) needs its tokenizer too")
+            self._set_model(model_object, tokenizer)
+
+    @classmethod
+    def from_run(cls, folder: str | Path, **kwargs) -> Pipeline:
+        """The pipeline a run folder's ``config.json`` describes (to rerun or resume it)."""
+        path = Path(folder) / "config.json"
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not readable JSON ({exc})") from None
+        s = sections_from_dict(obj)
+        return cls(ModelConfig(**s.get("model", {})), DataConfig(**s.get("data", {})),
+                   LocaConfig(**s.get("loca", {})), **kwargs)  # fmt: skip
+
+    # -- set-up -----------------------------------------------------------------------------
+    @property
+    def splits(self) -> Splits:
+        """The seeded train / held-out / test splits (loaded on first use; warnings logged)."""
+        if self._splits is None:
+            d = self.data
+            self._splits = load_splits(
+                self.task, n_train=d.n_train, n_heldout=d.n_heldout, n_test=d.n_test,
+                seed=self.cfg.seed, data_dir=d.data_dir,
+            )  # fmt: skip
+            for message in degenerate_warnings(self._splits):
+                log.warning(f"task {self.task.name!r}: {message}")
+        return self._splits
+
+    def test_set(self) -> tuple[list, dict]:
+        """Only the test examples and their record (the same as ``splits.test``), without drawing
+        the training splits."""
+        if self._splits is not None:
+            return self._splits.test, self._splits.record
+        examples, record = load_test_split(
+            self.task, n_test=self.data.n_test, seed=self.cfg.seed, data_dir=self.data.data_dir
+        )
+        for message in degenerate_warnings(Splits(train=[], heldout=[], test=examples)):
+            log.warning(f"task {self.task.name!r}: {message}")
+        return examples, record
+
+    def load(self) -> Pipeline:
+        """Load the model (once) and clamp ``max_length`` to its context."""
+        if self._model is None:
+            m = self.model_config
+            model, tokenizer = load_model(
+                m.model, device=m.device, dtype=m.dtype, random_init=m.random_init,
+                trust_remote_code=m.trust_remote_code,
+            )  # fmt: skip
+            self._set_model(model, tokenizer)
+        return self
+
+    def _set_model(self, model, tokenizer) -> None:
+        self._model = (model, tokenizer, find_parts(model))
+        length, note = clamp_max_length(self.cfg.max_length, model)
+        if note:
+            log.warning(f"--{note.replace('_', '-', 1)}")
+            self.cfg = replace(self.cfg, max_length=length)
+
+    @property
+    def model(self):
+        return self.load()._model[0]
+
+    @property
+    def tokenizer(self):
+        return self.load()._model[1]
+
+    @property
+    def parts(self) -> ModelParts:
+        return self.load()._model[2]
+
+    @property
+    def pad_id(self) -> int:
+        return pad_token_id(self.tokenizer)
+
+    def encode(self, examples) -> list[Encoded]:
+        """Prompt + gold completion sequences with the run's max length and EOS setting."""
+        return encode_examples(
+            self.tokenizer, self.task, examples, max_length=self.cfg.max_length, add_eos=self.cfg.add_eos
+        )
+
+    def batches(self, items: list[Encoded]) -> list[Batch]:
+        return make_batches(items, self.pad_id, batch_size=self.cfg.batch_size)
+
+    def encoded(self) -> tuple[list[Encoded], list[Encoded]]:
+        """The training and held-out sequences (encoded once; truncated prompts warned about)."""
+        if self._encoded is None:
+            s = self.splits
+            self._encoded = (self.encode(s.train), self.encode(s.heldout))
+            for name, n in self.truncated().items():
+                if n:
+                    total = len(s.train if name == "train" else s.heldout)
+                    log.warning(f"{n} of {total} {name} prompts were cut from the left to fit --max-length "
+                                f"{self.cfg.max_length}; their question may be lost")  # fmt: skip
+        return self._encoded
+
+    def truncated(self) -> dict[str, int]:
+        """How many training and held-out prompts were cut from the left."""
+        train, heldout = self.encoded()
+        return {
+            "train": count_truncated(self.tokenizer, self.task, self.splits.train, train),
+            "heldout": count_truncated(self.tokenizer, self.task, self.splits.heldout, heldout),
+        }
+
+    # -- Stage I ------------------------------------------------------------------------------
+    @property
+    def calibrator(self) -> Calibrator:
+        if self._calibrator is None:
+            train, heldout = self.encoded()
+            self._calibrator = Calibrator(self.parts, train, heldout, self.cfg, self.pad_id,
+                                          progress=self.progress)  # fmt: skip
+        return self._calibrator
+
+    def calibrate(self) -> FeedbackMaps:
+        """Stage I: the feedback maps, recording the task and splits they were calibrated on."""
+        t0 = time.perf_counter()
+        maps = self.calibrator.calibrate()
+        maps.meta.update({"task": self.task.name, "splits": self.splits.record,
+                          "calibration_time_s": time.perf_counter() - t0})  # fmt: skip
+        return maps
+
+    def load_maps(self, directory: str | Path) -> FeedbackMaps:
+        """Maps saved by ``loca calibrate`` (or a fit), checked against this run: the same
+        checkpoint, the same task, and no probe example among this run's held-out or test ones.
+        The run's ``feedback_rank`` and ``beta_rel`` become the maps'."""
+        maps = FeedbackMaps.from_pretrained(directory, self.parts)
+        check_maps_data(maps, self.task.name, self.splits, str(directory))
+        self.cfg = replace(self.cfg, feedback_rank=maps.rank,
+                           beta_rel=maps.meta.get("beta_rel", self.cfg.beta_rel))  # fmt: skip
+        self._calibrator = None  # built again with the maps' settings
+        return maps
+
+    # -- Stage II -----------------------------------------------------------------------------
+    def fit(self, maps: FeedbackMaps, **callbacks) -> FitResult:
+        """Stage II on the run's batches (see :func:`loca.fit.fit` for ``callbacks``: on_iteration,
+        on_improve, on_checkpoint, resume). A forward-only fit (no re-calibration, no alignment
+        diagnostic) runs with autograd disabled."""
+        train, heldout = self.encoded()
+        forward_only = not (self.cfg.recalibrate_every or self.cfg.alignment_every)
+        with torch.no_grad() if forward_only else nullcontext():
+            return fit(self.parts, maps, self.batches(train), self.batches(heldout), self.cfg,
+                       calibrator=None if forward_only else self.calibrator, progress=self.progress,
+                       **callbacks)  # fmt: skip
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, examples=None, adapters: ResidualAdapters | None = None) -> dict:
+        """Test metrics (:func:`loca.evaluation.evaluate`) of the model as it is, or with
+        ``adapters`` attached for the call; ``examples`` default to the test split."""
+        examples = self.test_set()[0] if examples is None else examples
+        args = dict(max_length=self.cfg.max_length, batch_size=self.cfg.batch_size,
+                    add_eos=self.cfg.add_eos, progress=self.progress)  # fmt: skip
+        with torch.no_grad():
+            if adapters is None or adapters.attached:
+                return evaluate(self.parts, self.tokenizer, self.task, examples, **args)
+            with adapters:
+                return evaluate(self.parts, self.tokenizer, self.task, examples, **args)
+
+    # -- the whole run ------------------------------------------------------------------------
+    def record(self, maps_path: str | None = None) -> dict:
+        """The run's ``config.json``: the sections, then what they resolved to."""
+        return {
+            "command": "fit",
+            "model": self.model_config.to_dict(),
+            "data": self.data.to_dict(),
+            "loca": self.cfg.to_dict(),
+            "maps": maps_path,
+            "task": self.task.describe(),
+            "splits": self.splits.record,
+            "device": str(self.parts.device),
+            "fingerprint": fingerprint(self.parts),
+            "versions": versions(),
+        }
+
+    def run(self, out: str | Path | None = None, *, maps: str | Path | None = None,
+            resume: bool = False, overwrite: bool = False) -> dict:  # fmt: skip
+        """Calibrate (or load ``maps``), fit, evaluate LoCA and the frozen model on the test set;
+        with ``out``, write the run folder as the fit goes. ``resume`` continues an interrupted run
+        in ``out`` (built by :meth:`from_run`) from its last completed iteration."""
+        start = time.perf_counter()
+        out = Path(out) if out is not None else None
+        if resume:
+            maps = self._prepare_resume(out)
+        elif out is not None:
+            rerun = run_command(out) == "fit"
+            prepare_run_dir(out, "fit", model=self.model_config.model, overwrite=overwrite, writes=RUN_FILES)
+            if rerun:
+                clear_fit_run(out)
+        parts = self.parts
+        maps_obj = self.load_maps(maps) if maps else None
+        if resume and maps_obj is None and is_artefact(out / "maps", MAPS_CONFIG, None):
+            maps_obj = self.load_maps(out / "maps")  # calibrated before the interruption
+        if out is not None and not resume:
+            atomic_write_json(out / "config.json", self.record(str(maps) if maps else None))
+        if maps_obj is None:
+            maps_obj = self.calibrate()
+            if out is not None:
+                maps_obj.save_pretrained(out / "maps")
+        align = maps_obj.meta.get("alignment", {})
+        if align:
+            log.info(f"calibration: alignment probe {_range(align['probe'])}, held-out "
+                     f"{_range(align.get('heldout', []))}, random map {_range(align['random'])}")  # fmt: skip
+
+        state = load_fit_state(out / "checkpoint", parts) if resume and _has_state(out) else None
+        history_lines = [json.dumps(r) for r in state.history] if state else []
+        if state:
+            log.info(f"resuming after iteration {state.iteration} of {self.cfg.max_iters}")
+
+        def on_iteration(row: dict) -> None:
+            history_lines.append(json.dumps(row))
+            if out is not None:
+                atomic_write_text(out / "history.jsonl", "\n".join(history_lines) + "\n")
+
+        extra = {"task": self.task.name, "feedback_rank": maps_obj.rank, "loca": self.cfg.to_dict()}
+
+        def on_improve(adapters: ResidualAdapters, row: dict) -> None:
+            if out is not None:
+                adapters.save_pretrained(out / "adapter", extra={**extra, "selection": row})
+
+        def on_checkpoint(fit_state) -> None:
+            if out is not None:
+                save_fit_state(fit_state, out / "checkpoint")
+
+        if state and out is not None:
+            atomic_write_text(out / "history.jsonl", "\n".join(history_lines) + "\n")
+        result = self.fit(maps_obj, on_iteration=on_iteration, on_improve=on_improve,
+                          on_checkpoint=on_checkpoint, resume=state)  # fmt: skip
+        if self.cfg.max_iters == 0:
+            log.info("LoCA: --max-iters 0 runs no Stage II iteration; returning the frozen model (B = 0)")
+        elif not result.improved:
+            log.info("LoCA: no candidate beat the frozen model on held-out CE; returning the frozen "
+                     "model (B = 0)")  # fmt: skip
+
+        loca_test = self.evaluate()
+        with result.adapters.disable_adapter():
+            frozen_test = self.evaluate()
+        train, heldout = (self.batches(x) for x in self.encoded())
+        results = {
+            "task": self.task.name,
+            "model": self.model_config.model,
+            "frozen": _row(result.frozen_heldout_ce, frozen_test),
+            "loca": _row(result.heldout_ce, loca_test),
+            "eta": result.eta,
+            "lam_rel": result.lam_rel,
+            "best_iteration": result.best_iteration,
+            "improved": result.improved,
+            "stop_reasons": result.stop_reasons,
+            "recalibrations": result.recalibrations,
+            "recalibration_time_s": result.recalibration_time_s,
+            "alignment": align,
+            "padding_fraction": {"train": padding_fraction(train), "heldout": padding_fraction(heldout)},
+            "truncated_prompts": {**self.truncated(), "test": loca_test["n_truncated"]},
+            "fit_wall_time_s": result.wall_time_s,
+            "wall_time_s": time.perf_counter() - start,
+        }
+        for name in ("frozen", "loca"):
+            require_finite(results[name], f"the {name} model's evaluation")
+        if out is not None:
+            metrics = {k: results[k] for k in ("frozen", "loca")}
+            result.adapters.save_pretrained(out / "adapter", extra={
+                **extra, "selection": _selected_row(result), "metrics": metrics})  # fmt: skip
+            atomic_write_json(out / "results.json", results)
+            shutil.rmtree(out / "checkpoint", ignore_errors=True)
+        result.adapters.detach()
+        self.result = result
+        return results
+
+    def _prepare_resume(self, out: Path | None) -> str | None:
+        """Check that ``out`` holds an unfinished fit; the maps it was given, if any."""
+        if out is None:
+            raise ValueError("resume needs the run folder (--out)")
+        if run_command(out) != "fit" or not (out / "config.json").is_file():
+            raise ValueError(f"--resume: {out} holds no `loca fit` run to continue")
+        if (out / "results.json").is_file():
+            raise ValueError(f"--resume: the run in {out} has finished (results.json is there); "
+                             "nothing to resume")  # fmt: skip
+        return json.loads((out / "config.json").read_text()).get("maps")
+
+
+def check_maps_data(maps: FeedbackMaps, task: str, splits: Splits, where: str) -> None:
+    """Refuse maps calibrated on another task, or on examples that are this run's held-out or
+    test examples (the selection and the test would then see calibration data)."""
+    meta = maps.meta
+    if "task" not in meta or "splits" not in meta:
+        log.warning(f"feedback maps {where} do not record their task and splits; cannot check that "
+                    "their probe is disjoint from this run's held-out and test examples")  # fmt: skip
+        return
+    if meta["task"] != task:
+        raise ValueError(f"feedback maps {where} were calibrated on task {meta['task']!r}, not {task!r}")
+    probe_ids = set(meta["splits"].get("train", {}).get("ids", []))
+    for part in ("heldout", "test"):
+        rec = splits.record.get(part) or {}
+        overlap = probe_ids & set(rec.get("ids", []))
+        if overlap:
+            raise ValueError(
+                f"feedback maps {where} were calibrated on {len(overlap)} of this run's "
+                f"{'held-out' if part == 'heldout' else part} examples "
+                f"(e.g. id {sorted(overlap)[0]!r}): calibrate with this run's --seed, --n-train and "
+                "--n-heldout, or fit with the maps' settings"
+            )
+
+
+def clear_fit_run(out: Path) -> None:
+    """Remove an earlier fit's results from ``out`` (after overwrite), so that a failed rerun
+    never leaves a config describing another run than the results beside it."""
+    for name in ("results.json", "history.jsonl", "config.json"):
+        (out / name).unlink(missing_ok=True)
+    for sub, cfg_file, fmt in (("adapter", CONFIG_NAMES, "loca-adapter"),
+                               ("maps", MAPS_CONFIG, "loca-feedback-maps"),
+                               ("checkpoint", STATE_CONFIG, "loca-fit-state")):  # fmt: skip
+        if is_artefact(out / sub, cfg_file, fmt):
+            shutil.rmtree(out / sub)
+
+
+def _selected_row(result: FitResult) -> dict | None:
+    """The history row of the selected candidate (None when the frozen model won)."""
+    if not result.improved:
+        return None
+    rows = [r for r in result.history if r.get("iteration") == result.best_iteration
+            and r.get("heldout_ce") == result.heldout_ce and "diagnostic" not in r]  # fmt: skip
+    return rows[-1] if rows else None
+
+
+def _has_state(out: Path) -> bool:
+    return is_artefact(out / "checkpoint", STATE_CONFIG, "loca-fit-state")
+
+
+def _row(heldout_ce: float, test: dict) -> dict:
+    return {
+        "heldout_ce": heldout_ce,
+        "test_ce": test["test_ce"],
+        "test_ce_no_eos": test["test_ce_no_eos"],
+        "test_acc": test["acc"],
+        "test_acc_norm": test["acc_norm"],
+        "n_test": test["n_test"],
+    }
+
+
+def _range(xs: list[float]) -> str:
+    return f"{min(xs):+.2f}..{max(xs):+.2f}" if xs else "n/a"
+
