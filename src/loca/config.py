@@ -43,6 +43,7 @@ class LocaConfig:
         "what the adapter solve's ridge pulls B' towards: 'zero' (the paper; λ||B'||² also "
         "shrinks B every iteration) or 'previous' (λ||B' − B||²: a damped step, no shrinkage)",
         section="fit",
+        choices=("zero", "previous"),
     )
     etas: list[float] = option(
         [0.003, 0.01, 0.03],
@@ -55,6 +56,7 @@ class LocaConfig:
         "target step: 'rms' = η relative to the residual stream (η·RMS(h)/RMS(F e) per block and "
         "batch); 'absolute' = η as an absolute step (the paper's unnormalised ablation)",
         section="fit",
+        choices=("rms", "absolute"),
     )
     step_control: str = option(
         "adaptive",
@@ -63,6 +65,7 @@ class LocaConfig:
         "the held-out CE and, after a step that does not, restores B and retries with η·eta_shrink "
         "on the same training statistics (no new training pass)",
         section="fit",
+        choices=("fixed", "adaptive"),
     )
     eta_grow: float = option(1.5, "adaptive control: η factor after an accepted step (≥ 1)", section="fit")
     eta_shrink: float = option(0.5, "adaptive control: η factor after a rejected step (< 1)", section="fit")
@@ -72,6 +75,7 @@ class LocaConfig:
         "top-r principal directions of each block's input at the predict positions (one extra "
         "forward pass over the training data, streamed as a Nyström sketch)",
         section="fit",
+        choices=("random", "principal"),
     )
     recalibrate_every: int = option(
         0,

@@ -36,6 +36,7 @@ class CellData:
     minibatches: list[Batch]  # LoRA / MeZO optimisation steps (train_batch_size sequences each)
     pad_id: int
     seed: int
+    pipeline: object  # the loca.pipeline.Pipeline that drew and encoded the data (evaluation)
 
 
 Outcome = tuple[MethodResult, Callable[[], None]]

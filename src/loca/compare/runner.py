@@ -15,12 +15,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..bench import PeakMemory
-from ..config import PRESETS, LocaConfig, option
-from ..data import degenerate_warnings, encode_examples, get_task, load_splits, make_batches
-from ..data.batching import pad_token_id
-from ..evaluation import evaluate
+from ..config import PRESETS, DataConfig, LocaConfig, ModelConfig, option
+from ..data import get_task, make_batches
 from ..io import atomic_write_json
-from ..models import ModelParts, clamp_max_length, find_parts, fingerprint, load_model
+from ..models import clamp_max_length, find_parts, fingerprint, load_model
+from ..pipeline import Pipeline
 from ..versions import versions
 from .methods import (
     METHODS,
@@ -177,12 +176,14 @@ def run_compare(
     counts = {"reused": 0, "run": 0}
     for task in tasks:
         for seed in settings.seeds:
-            splits = load_splits(
-                task, n_train=settings.n_train, n_heldout=settings.n_heldout, n_test=settings.n_test,
-                seed=seed, data_dir=data_dir,
+            pipeline = Pipeline(
+                ModelConfig(model, device=device or "auto", dtype=dtype),
+                DataConfig(task.name, data_dir=data_dir, n_train=settings.n_train,
+                           n_heldout=settings.n_heldout, n_test=settings.n_test),
+                replace(configs.loca, seed=seed), progress=False, model_object=model_obj,
+                tokenizer=tokenizer,
             )  # fmt: skip
-            for message in degenerate_warnings(splits):
-                log(f"warning: {task.name} seed {seed}: {message}")
+            splits = pipeline.splits  # degenerate data is warned about here
             cell_base = {
                 **base, "task": task.describe(), "seed": seed, "splits_sha256": digest(splits.record)
             }
@@ -195,8 +196,8 @@ def run_compare(
                 cell = store.load(task.name, seed, method, key)
                 if cell is None:
                     if data is None:
-                        data = _prepare(parts, tokenizer, task, splits, seed, configs.loca, settings)
-                    cell = _run_cell(data, method, mcfg, configs, settings)
+                        data = _prepare(pipeline, settings)
+                    cell = _run_cell(data, method, mcfg)
                     store.save(task.name, seed, method, key, cell)
                     counts["run"] += 1
                     log(f"{task.name} seed {seed} {method}: test CE {cell['test']['test_ce']:.4f}, "
@@ -251,21 +252,19 @@ def _method_config(method: str, configs: MethodConfigs, s: CompareSettings, seed
     return replace(configs.mezo, seed=seed, time_budget_s=budget).to_dict()
 
 
-def _prepare(parts: ModelParts, tokenizer, task, splits, seed: int, loca: LocaConfig,
-             s: CompareSettings) -> CellData:  # fmt: skip
-    enc = dict(max_length=loca.max_length, add_eos=loca.add_eos)
-    train_items = encode_examples(tokenizer, task, splits.train, **enc)
-    heldout_items = encode_examples(tokenizer, task, splits.heldout, **enc)
-    pad = pad_token_id(tokenizer)
+def _prepare(pipeline: Pipeline, s: CompareSettings) -> CellData:
+    """The cell's data, encoded and batched by the pipeline (as `loca fit` does)."""
+    train_items, heldout_items = pipeline.encoded()
     return CellData(
-        parts=parts, tokenizer=tokenizer, task=task, splits=splits, train_items=train_items,
-        heldout_items=heldout_items, train=make_batches(train_items, pad, loca.batch_size),
-        heldout=make_batches(heldout_items, pad, loca.batch_size),
-        minibatches=make_batches(train_items, pad, s.train_batch_size), pad_id=pad, seed=seed,
+        parts=pipeline.parts, tokenizer=pipeline.tokenizer, task=pipeline.task, splits=pipeline.splits,
+        train_items=train_items, heldout_items=heldout_items, train=pipeline.batches(train_items),
+        heldout=pipeline.batches(heldout_items),
+        minibatches=make_batches(train_items, pipeline.pad_id, s.train_batch_size), pad_id=pipeline.pad_id,
+        seed=pipeline.cfg.seed, pipeline=pipeline,
     )  # fmt: skip
 
 
-def _run_cell(data: CellData, method: str, mcfg: dict, configs: MethodConfigs, s: CompareSettings) -> dict:
+def _run_cell(data: CellData, method: str, mcfg: dict) -> dict:
     from ..baselines.lora import LoraSettings
     from ..baselines.mezo import MezoSettings
 
@@ -283,10 +282,7 @@ def _run_cell(data: CellData, method: str, mcfg: dict, configs: MethodConfigs, s
             result, cleanup = run_mezo(data, MezoSettings(**mcfg))
     try:
         t0 = time.perf_counter()
-        test = evaluate(
-            data.parts, data.tokenizer, data.task, data.splits.test, max_length=configs.loca.max_length,
-            batch_size=configs.loca.batch_size, add_eos=configs.loca.add_eos,
-        )  # fmt: skip
+        test = data.pipeline.evaluate()  # the test split, with the run's max_length, batch and EOS
         eval_s = time.perf_counter() - t0
     finally:
         cleanup()
