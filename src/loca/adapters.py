@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from . import distributed
 from .io import atomic_dir, atomic_write_json
 from .models import ModelParts, find_parts, fingerprint
 from .ridge import nystrom_top_eigenvectors
@@ -62,13 +63,14 @@ def principal_a(parts: ModelParts, batches, rank: int, seed: int = 0, oversample
 
     handles = [blk.register_forward_hook(hook(l), with_kwargs=True) for l, blk in enumerate(parts.blocks)]
     try:
-        for batch in batches:
+        for batch in distributed.shard(batches):
             b = batch.to(parts.device)
             where["b"], where["t"] = b.pos_b, b.pos_t
             parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
     finally:
         for h in handles:
             h.remove()
+    distributed.all_reduce_sum(*sketches)  # data-parallel: the sketches are sums
     pairs = zip(sketches, omegas, strict=True)
     return [nystrom_top_eigenvectors(s, o, rank).T.float().cpu() for s, o in pairs]
 

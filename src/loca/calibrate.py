@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from . import distributed
 from .adapters import check_fingerprint, read_json_object, read_safetensors
 from .config import LocaConfig
 from .data.batching import Encoded, make_batches
@@ -111,8 +112,11 @@ def probe_gradients(
     grads: list[list[Tensor]] = [[] for _ in parts.blocks]
     embed = parts.model.get_input_embeddings()
     batches = make_batches(items, pad_id, batch_size=probe_micro_batch)
-    for batch in tqdm(batches, desc="calibrate", unit="micro-batch", disable=not progress, leave=False):
-        b = batch.to(parts.device)
+    mine = distributed.owned(len(batches))  # data-parallel: this rank's micro-batches
+    shown = tqdm(mine, desc="calibrate", unit="micro-batch", leave=False,
+                 disable=not progress or not distributed.is_main())  # fmt: skip
+    for index in shown:
+        b = batches[index].to(parts.device)
         captured: dict[int, Tensor] = {}
         make_hook = partial(_grad_capture_hook, captured, b.pos_b, b.pos_t)
         handles = [blk.register_forward_hook(make_hook(i)) for i, blk in enumerate(parts.blocks)]
@@ -133,6 +137,15 @@ def probe_gradients(
         errors.append(e.float())
         for i in range(parts.num_blocks):
             grads[i].append(captured[i])
+    if distributed.active():  # every rank gets every row, in the one-process order
+        device = parts.device
+        pairs = enumerate(zip(mine, errors, strict=True))
+        rows = {i: (e.cpu(), [g[k].cpu() for g in grads]) for k, (i, e) in pairs}
+        for part in distributed.gather_objects(rows):
+            rows.update(part)
+        ordered = [rows[i] for i in range(len(batches))]
+        errors = [e.to(device) for e, _ in ordered]
+        grads = [[gs[l].to(device) for _, gs in ordered] for l in range(parts.num_blocks)]
     return torch.cat(errors), [torch.cat(g) for g in grads]
 
 

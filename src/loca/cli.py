@@ -45,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. An error ends in one line on stderr (exit 2 for bad input, 1 for any
     other failure); ``loca --debug ...`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
-    configure_logging(quiet=getattr(args, "quiet", False), verbose=getattr(args, "verbose", False))
+    from . import distributed
+
+    distributed.init_from_env(getattr(args, "device", None) or "auto")  # under torchrun
+    quiet = getattr(args, "quiet", False) or not distributed.is_main()  # rank 0 speaks
+    configure_logging(quiet=quiet, verbose=getattr(args, "verbose", False))
+    if not distributed.is_main():
+        logging.getLogger("loca").setLevel(logging.ERROR)
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args._run(args) or 0)
@@ -66,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if bad_input else 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        distributed.shutdown()
 
 
 class _StderrHandler(logging.Handler):
@@ -94,6 +101,10 @@ def configure_logging(quiet: bool = False, verbose: bool = False) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False
+    if quiet:  # transformers' own bars (loading weights) too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 class Terminated(BaseException):

@@ -4,11 +4,12 @@ The pure metric functions are in :mod:`loca.metrics`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from . import distributed
 from .data.batching import Batch
 from .head import head_loss_and_error
 from .metrics import TokenCE, rank_choices
@@ -26,20 +27,39 @@ def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def completion_ce(parts: ModelParts, batches: Iterable[Batch]) -> TokenCE:
-    """Mean per-token CE over the completion tokens of ``batches`` (EOS included and excluded)."""
+def completion_ce(parts: ModelParts, batches: Sequence[Batch]) -> TokenCE:
+    """Mean per-token CE over the completion tokens of ``batches`` (EOS included and excluded).
+    Data-parallel: each rank runs its share of the batches and the sums are reduced."""
     losses, eos = [], []
-    for batch in batches:  # no host sync inside the loop
+    for batch in distributed.shard(batches):  # no host sync inside the loop
         losses.append(position_losses(parts, batch))
         eos.append(batch.is_eos)
     ce = TokenCE()
-    ce.add(torch.cat(losses), torch.cat(eos))
-    return ce
+    if losses:
+        ce.add(torch.cat(losses), torch.cat(eos))
+    return reduce_ce(ce)
+
+
+def reduce_ce(ce: TokenCE) -> TokenCE:
+    """``ce`` summed over the ranks (per-example sums merged: each example lives on one rank)."""
+    if not distributed.active():
+        return ce
+    if not ce.per_example:
+        sums = distributed.all_reduce_numbers([ce.total, ce.tokens, ce.total_no_eos, ce.tokens_no_eos])
+        return TokenCE(sums[0], int(sums[1]), sums[2], int(sums[3]))
+    out = TokenCE()
+    for part in distributed.gather_objects(ce):
+        out.total += part.total
+        out.tokens += part.tokens
+        out.total_no_eos += part.total_no_eos
+        out.tokens_no_eos += part.tokens_no_eos
+        out.per_example.update(part.per_example)
+    return out
 
 
 @torch.inference_mode()
 def score_choices(
-    parts: ModelParts, batches: Iterable[Batch], labels: list[int] | None = None
+    parts: ModelParts, batches: Sequence[Batch], labels: list[int] | None = None, progress: bool = False
 ) -> tuple[dict[tuple[int, int], tuple[float, int]], TokenCE]:
     """One pass over choice sequences: per-choice log-likelihoods and the gold completions' CE.
 
@@ -47,10 +67,14 @@ def score_choices(
     excluded, so a gold sequence that carries EOS serves both ranking and CE. Returns
     ``({(source, choice): (loglik, n_chars)}, TokenCE over the gold sequences)``; the CE is empty
     when ``labels`` is None, and keeps per-example sums (``TokenCE.per_example``, by source).
+    Data-parallel: each rank scores its share of the batches and the results are gathered.
     """
     out: dict[tuple[int, int], tuple[float, int]] = {}
     ce = TokenCE()
-    for batch in batches:
+    mine = distributed.shard(batches)
+    shown = tqdm(mine, desc="evaluate", unit="batch", leave=False,
+                 disable=not progress or not distributed.is_main())  # fmt: skip
+    for batch in shown:
         loss = position_losses(parts, batch).double().cpu()
         keep = (~batch.is_eos).double()
         sums = torch.zeros(len(batch.items), dtype=torch.float64)
@@ -67,10 +91,15 @@ def score_choices(
             source = torch.tensor([it.source for it in batch.items])[batch.pos_b]
             at_gold = gold[batch.pos_b]
             ce.add(loss[at_gold], batch.is_eos[at_gold], source[at_gold])
-    return out, ce
+    if distributed.active():
+        scores: dict = {}
+        for part in distributed.gather_objects(out):
+            scores.update(part)
+        out = scores
+    return out, reduce_ce(ce)
 
 
-def choice_loglik(parts: ModelParts, batches: Iterable[Batch]) -> dict[tuple[int, int], tuple[float, int]]:
+def choice_loglik(parts: ModelParts, batches: Sequence[Batch]) -> dict[tuple[int, int], tuple[float, int]]:
     """Summed log-likelihood of each choice's tokens after its prompt (EOS excluded), batched.
 
     Returns ``{(source, choice): (loglik, n_chars)}`` for every sequence in ``batches``.
@@ -79,7 +108,7 @@ def choice_loglik(parts: ModelParts, batches: Iterable[Batch]) -> dict[tuple[int
 
 
 def ranking_accuracy(
-    parts: ModelParts, batches_of_choices: Iterable[Batch], n_examples: int, labels: list[int]
+    parts: ModelParts, batches_of_choices: Sequence[Batch], n_examples: int, labels: list[int]
 ) -> dict:
     """Ranking accuracy of the model as currently hooked: :func:`rank_choices`'s dict.
 
@@ -132,8 +161,7 @@ def evaluate(
     # gives both the CE and the gold choice's score (the EOS loss is left out of the score).
     items = encode_choices(tokenizer, task, examples, max_length, eos_on_gold=add_eos)
     batches = make_batches(items, pad_token_id(tokenizer), batch_size)
-    shown = tqdm(batches, desc="evaluate", unit="batch", disable=not progress, leave=False)
-    scores, ce = score_choices(parts, shown, labels)
+    scores, ce = score_choices(parts, batches, labels, progress=progress)
     ranking = rank_choices(scores, len(examples), labels)
     gold = [it for it in items if it.choice == labels[it.source]]
     return {

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from . import distributed
 from .adapters import Recorder, ResidualAdapters, principal_a
 from .calibrate import Calibrator, FeedbackMaps
 from .config import LocaConfig
 from .data.batching import Batch
-from .evaluation import completion_ce
+from .evaluation import completion_ce, reduce_ce
 from .head import head_loss_and_error
 from .metrics import TokenCE
 from .models import ModelParts
@@ -53,7 +54,9 @@ def collect_statistics(
 
     The hooks keep only the codes p (N×r) and an input norm per block; the statistics of all
     blocks on a device are then updated as one stack (a few batched kernels per batch), and
-    nothing is copied to the host inside the loop, so a GPU never waits on Python.
+    nothing is copied to the host inside the loop, so a GPU never waits on Python. Data-parallel:
+    each rank runs its share of the batches, and the statistics and CE sums are all-reduced once
+    (float64) after the pass.
     """
     by_device: dict[torch.device, list[int]] = {}
     for l in blocks:
@@ -68,7 +71,7 @@ def collect_statistics(
         for dev, ls in by_device.items()
     }
     losses, eos = [], []
-    for batch in batches:
+    for batch in distributed.shard(batches):
         b = batch.to(parts.device)
         with adapters.recording(Recorder(b.pos_b, b.pos_t, set(blocks))) as rec:
             hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
@@ -84,7 +87,12 @@ def collect_statistics(
             stats.add_inputs(p)
             stats.add_targets(p, h_sumsq, y, sigma, normalize=step_scale == "rms")
     ce = TokenCE()
-    ce.add(torch.cat(losses), torch.cat(eos))
+    if losses:
+        ce.add(torch.cat(losses), torch.cat(eos))
+    for stats, _, _ in stacks.values():  # data-parallel: one sum over the ranks per pass
+        distributed.all_reduce_sum(stats.gram, stats.cross)
+        stats.positions = int(distributed.all_reduce_numbers([stats.positions])[0])
+    ce = reduce_ce(ce)
     out = {}
     for dev, ls in by_device.items():
         for i, l in enumerate(ls):
@@ -348,7 +356,8 @@ def fit(
         )  # fmt: skip
 
     shared: dict = {}  # every trajectory starts from B = 0: the first pass's statistics are shared
-    bar = tqdm(range(first_it, cfg.max_iters + 1), desc="LoCA", unit="it", disable=not progress,
+    bar = tqdm(range(first_it, cfg.max_iters + 1), desc="LoCA", unit="it",
+               disable=not progress or not distributed.is_main(),
                initial=first_it - 1, total=cfg.max_iters)  # fmt: skip
     try:
         for it in bar:

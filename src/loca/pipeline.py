@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from . import distributed
 from .adapters import CONFIG_NAMES, ResidualAdapters
 from .calibrate import MAPS_CONFIG, Calibrator, FeedbackMaps
 from .checkpoint import STATE_CONFIG, load_fit_state, save_fit_state
@@ -117,7 +118,7 @@ class Pipeline:
         if self._model is None:
             m = self.model_config
             model, tokenizer = load_model(
-                m.model, device=m.device, dtype=m.dtype, random_init=m.random_init,
+                m.model, device=distributed.local_device(m.device), dtype=m.dtype, random_init=m.random_init,
                 trust_remote_code=m.trust_remote_code,
             )  # fmt: skip
             self._set_model(model, tokenizer)
@@ -251,22 +252,24 @@ class Pipeline:
         in ``out`` (built by :meth:`from_run`) from its last completed iteration."""
         start = time.perf_counter()
         out = Path(out) if out is not None else None
+        write = out is not None and distributed.is_main()  # data-parallel: rank 0 writes
         if resume:
             maps = self._prepare_resume(out)
-        elif out is not None:
+        elif write:
             rerun = run_command(out) == "fit"
             prepare_run_dir(out, "fit", model=self.model_config.model, overwrite=overwrite, writes=RUN_FILES)
             if rerun:
                 clear_fit_run(out)
+        distributed.barrier()
         parts = self.parts
         maps_obj = self.load_maps(maps) if maps else None
         if resume and maps_obj is None and is_artefact(out / "maps", MAPS_CONFIG, None):
             maps_obj = self.load_maps(out / "maps")  # calibrated before the interruption
-        if out is not None and not resume:
+        if write and not resume:
             atomic_write_json(out / "config.json", self.record(str(maps) if maps else None))
         if maps_obj is None:
             maps_obj = self.calibrate()
-            if out is not None:
+            if write:
                 maps_obj.save_pretrained(out / "maps")
         align = maps_obj.meta.get("alignment", {})
         if align:
@@ -280,20 +283,20 @@ class Pipeline:
 
         def on_iteration(row: dict) -> None:
             history_lines.append(json.dumps(row))
-            if out is not None:
+            if write:
                 atomic_write_text(out / "history.jsonl", "\n".join(history_lines) + "\n")
 
         extra = {"task": self.task.name, "feedback_rank": maps_obj.rank, "loca": self.cfg.to_dict()}
 
         def on_improve(adapters: ResidualAdapters, row: dict) -> None:
-            if out is not None:
+            if write:
                 adapters.save_pretrained(out / "adapter", extra={**extra, "selection": row})
 
         def on_checkpoint(fit_state) -> None:
-            if out is not None:
+            if write:
                 save_fit_state(fit_state, out / "checkpoint")
 
-        if state and out is not None:
+        if state and write:
             atomic_write_text(out / "history.jsonl", "\n".join(history_lines) + "\n")
         result = self.fit(maps_obj, on_iteration=on_iteration, on_improve=on_improve,
                           on_checkpoint=on_checkpoint, resume=state)  # fmt: skip
@@ -327,7 +330,7 @@ class Pipeline:
         }
         for name in ("frozen", "loca"):
             require_finite(results[name], f"the {name} model's evaluation")
-        if out is not None:
+        if write:
             metrics = {k: results[k] for k in ("frozen", "loca")}
             result.adapters.save_pretrained(out / "adapter", extra={
                 **extra, "selection": _selected_row(result), "metrics": metrics})  # fmt: skip

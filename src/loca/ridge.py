@@ -196,7 +196,8 @@ def nystrom_top_eigenvectors(sketch: Tensor, omega: Tensor, rank: int) -> Tensor
     through the streamed sketch ``Y = M Ω`` and its test matrix ``Ω`` (d×m, m ≥ rank).
 
     The stabilised Nyström approximation ``M ≈ Y (ΩᵀY)⁻¹ Yᵀ`` (Tropp et al., 2017, Alg. 3): a shift
-    ``ν`` keeps ``ΩᵀY`` positive definite, so one pass over the data suffices."""
+    ``ν`` keeps ``ΩᵀY`` positive definite, so one pass over the data suffices. Each column's
+    largest entry is positive."""
     y = sketch.to(torch.float64)
     omega = omega.to(y)
     if rank > y.shape[1]:
@@ -208,4 +209,8 @@ def nystrom_top_eigenvectors(sketch: Tensor, omega: Tensor, rank: int) -> Tensor
     factor = _cholesky((core + core.T) / 2, "the Nyström core ΩᵀMΩ")
     e = torch.linalg.solve_triangular(factor, y_nu.T, upper=False).T  # Y_ν L⁻ᵀ
     u, _, _ = torch.linalg.svd(e, full_matrices=False)
-    return u[:, :rank]
+    u = u[:, :rank]
+    # an eigenvector's sign is arbitrary: fix it (largest entry positive), so that sums taken in
+    # another order (another BLAS, data-parallel ranks) give the same A, not its mirror image
+    pivot = u.gather(0, u.abs().argmax(0, keepdim=True))
+    return u * torch.where(pivot < 0, -1.0, 1.0).to(u)

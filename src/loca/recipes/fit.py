@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from .. import distributed
 from ..config import LocaConfig
 from ..pipeline import Pipeline
 from .common import (
@@ -73,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
                          "again")  # fmt: skip
         pipeline = pipeline_from_args(args, **DATA_DEFAULTS)
         results = pipeline.run(args.out, maps=args.maps, overwrite=args.overwrite)
-    print_results(results)
-    if not args.out:
-        print("no --out given: the adapters and maps were not saved")
+    if distributed.is_main():
+        print_results(results)
+        if not args.out:
+            print("no --out given: the adapters and maps were not saved")
     return 0
 
 

@@ -1,0 +1,111 @@
+"""Data parallelism over ``torch.distributed`` (NCCL on GPUs, Gloo on CPUs), launched by
+``torchrun``. Every rank holds the whole model and the same data; each runs its share of the
+batches (:func:`shard`), and what LoCA keeps are sums, reduced once per pass in float64: the
+Stage II statistics (r² + k·r numbers per block), CE sums and token counts, the principal-A
+sketches. Calibration gathers the probe's errors and gradients in the single-process order, so
+the maps are those of one process. Only rank 0 writes files and shows progress.
+
+Without an initialised process group every function is the identity (one process)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def shard(items: Sequence[T]) -> list[T]:
+    """This rank's share: every ``world_size``-th item from its rank on (all of them alone)."""
+    return list(items[rank() :: world_size()]) if active() else list(items)
+
+
+def owned(n: int) -> list[int]:
+    """The indices of ``n`` items that :func:`shard` gives this rank."""
+    return list(range(rank(), n, world_size())) if active() else list(range(n))
+
+
+def all_reduce_sum(*tensors: torch.Tensor) -> None:
+    """Sum each tensor over the ranks, in place (one collective per tensor; float64 stays)."""
+    if not active():
+        return
+    for t in tensors:
+        if dist.get_backend() == "nccl" and t.device.type != "cuda":
+            moved = t.cuda()
+            dist.all_reduce(moved)
+            t.copy_(moved)
+        else:
+            dist.all_reduce(t)
+
+
+def all_reduce_numbers(values: list[float]) -> list[float]:
+    """Sum a few Python numbers over the ranks (float64)."""
+    if not active():
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order (pickled; for per-item results and probe rows)."""
+    if not active():
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def init_from_env(device: str = "auto") -> str:
+    """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment) and
+    return the device this rank uses: ``cuda:LOCAL_RANK`` with NCCL when CUDA is there and
+    ``device`` allows it, else the CPU with Gloo. Without torchrun: ``device`` unchanged."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return device
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and device in ("auto", "cuda")
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+    return f"cuda:{local}" if use_cuda else ("cpu" if device == "auto" else device)
+
+
+def local_device(device: str) -> str:
+    """The device a rank uses: its own GPU under NCCL (``cuda:LOCAL_RANK``), else ``device``."""
+    if active() and dist.get_backend() == "nccl" and device in ("auto", "cuda"):
+        return f"cuda:{torch.cuda.current_device()}"
+    if active() and device == "auto":
+        return "cpu"
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,113 @@
+"""Data parallelism on the CPU: ``loca fit`` under ``torchrun`` with two Gloo processes gives the
+adapters, selection and metrics of one process (float64 statistics summed in another order:
+equal to float32 rounding), and only rank 0 writes."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import SENTIMENT_TEMPLATE, save_tiny_model, write_sentiment_task
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    save_tiny_model(root / "model")
+    write_sentiment_task(root / "task.jsonl", 80, random.Random(0))
+    return root
+
+
+def run(root, out, nproc: int, *extra: str) -> None:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    argv = [*(launch if nproc > 1 else [sys.executable]), "-m", "loca", "fit", "--model", str(root / "model"),
+            "--task", str(root / "task.jsonl"), "--template", SENTIMENT_TEMPLATE, "--device", "cpu",
+            "--rank", "4", "--feedback-rank", "4", "--n-train", "24", "--n-heldout", "10", "--n-test", "12",
+            "--batch-size", "4", "--probe-micro-batch", "3", "--probe-positions", "40", "--quiet",
+            "--out", str(out), *extra]  # fmt: skip
+    proc = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "extra", [["--max-iters", "4"], ["--max-iters", "3", "--step-control", "fixed", "--groups", "2"]],
+    ids=["adaptive", "fixed-gauss-seidel"],
+)
+def test_two_gloo_processes_fit_what_one_process_fits(root, tmp_path, extra):
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(root, one, 1, *extra)
+    run(root, two, 2, *extra)
+    r1, r2 = (json.loads((d / "results.json").read_text()) for d in (one, two))
+    for key in ("best_iteration", "eta", "improved"):
+        assert r1[key] == r2[key]
+    assert r1["improved"]
+    for part in ("frozen", "loca"):
+        for key, value in r1[part].items():
+            assert r2[part][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (part, key)
+    m1, m2 = (load_file(str(d / "maps" / "feedback_maps.safetensors")) for d in (one, two))
+    for k in m1:  # the probe is gathered in the one-process order: the same maps
+        torch.testing.assert_close(m2[k], m1[k], rtol=1e-5, atol=1e-7)
+    a1, a2 = (load_file(str(d / "adapter" / "loca_adapter.safetensors")) for d in (one, two))
+    for k in a1:
+        torch.testing.assert_close(a2[k], a1[k], rtol=1e-4, atol=1e-6 * float(a1[k].abs().max()))
+    names = sorted(p.name for p in two.iterdir())
+    assert names == sorted(p.name for p in one.iterdir())  # rank 1 wrote nothing extra
+
+
+def _worker(rank: int, world: int, store: str, result_file: str) -> None:
+    """One rank: calibrate and fit a float64 tiny model on the shared data; rank 0 saves B."""
+    import torch.distributed as dist
+    from synthetic import sequences, tiny_llama
+
+    from loca.adapters import principal_a
+    from loca.calibrate import Calibrator
+    from loca.config import LocaConfig
+    from loca.data.batching import make_batches
+    from loca.evaluation import completion_ce
+    from loca.fit import fit
+
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    _, parts = tiny_llama(hidden=32, layers=3)
+    train_items, heldout_items = sequences(40, seed=0), sequences(20, seed=100)
+    cfg = LocaConfig(rank=8, feedback_rank=8, probe_positions=60, probe_micro_batch=5, max_iters=4,
+                     step_control="fixed", etas=[0.02, 0.1], batch_size=6)  # fmt: skip
+    cal = Calibrator(parts, train_items, heldout_items, cfg, pad_id=0)
+    maps = cal.calibrate()
+    train, heldout = make_batches(train_items, 0, 6), make_batches(heldout_items, 0, 6)
+    res = fit(parts, maps, train, heldout, cfg, progress=False)
+    out = {
+        "b": res.adapters.get_b(), "us": [f.us for f in maps.factors], "ce": res.heldout_ce,
+        "frozen": res.frozen_heldout_ce, "it": res.best_iteration, "eta": res.eta,
+        "heldout_ce": completion_ce(parts, heldout).mean,
+        "sketch_a": principal_a(parts, train, rank=2, seed=0),
+    }  # fmt: skip
+    res.adapters.detach()
+    if rank == 0:
+        torch.save(out, result_file)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_fit_equals_one_process_in_float64(tmp_path):
+    import torch.multiprocessing as mp
+
+    _worker(0, 1, "", str(tmp_path / "one.pt"))
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "two.pt")), nprocs=2)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert (one["it"], one["eta"]) == (two["it"], two["eta"]) and one["it"] > 0
+    for key in ("ce", "frozen", "heldout_ce"):
+        assert two[key] == pytest.approx(one[key], rel=1e-12)
+    for a, b in zip(one["us"], two["us"], strict=True):  # probe rows gathered in order: the same maps
+        assert torch.equal(a, b)
+    for a, b in zip(one["b"], two["b"], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)  # B is float32; the sums are float64
+    for a, b in zip(one["sketch_a"], two["sketch_a"], strict=True):  # top-2 directions: one subspace
+        torch.testing.assert_close(b.double().T @ b.double(), a.double().T @ a.double(), rtol=0, atol=1e-5)
