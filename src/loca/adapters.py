@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import distributed
 from .io import atomic_dir, atomic_write_json
-from .models import ModelParts, find_parts, fingerprint
+from .models import ModelParts, at_positions, find_parts, fingerprint
 from .ridge import nystrom_top_eigenvectors
 
 # loca's own file names: PEFT's (adapter_model.safetensors, adapter_config.json) would make PEFT
@@ -56,7 +56,7 @@ def principal_a(parts: ModelParts, batches, rank: int, seed: int = 0, oversample
     def hook(layer: int):
         def accumulate(module, args, kwargs, output):
             h_in = args[0] if args else kwargs["hidden_states"]
-            rows = h_in[where["b"], where["t"]].double()
+            rows = at_positions(h_in.to(sketches[layer].device), where["b"], where["t"]).double()
             sketches[layer].add_(rows.T @ (rows @ omegas[layer]))
 
         return accumulate
@@ -190,15 +190,16 @@ class ResidualAdapters:
     def _hook(self, layer: int):
         def hook(module, args, kwargs, output):
             h_in = args[0] if args else kwargs["hidden_states"]
+            h_out = output[0] if isinstance(output, tuple) else output
+            h_in = h_in.to(h_out.device)  # spread over GPUs, a hook may see the previous block's
             rec = self._recorder
             active, a, b = self._b_state(layer, h_in.dtype)
             if rec is not None and rec.wants(layer):
-                rows = h_in[rec.pos_b, rec.pos_t].float()
+                rows = at_positions(h_in, rec.pos_b, rec.pos_t).float()
                 rec.codes[layer] = rows @ self.A[layer].T
                 rec.input_norms[layer] = torch.linalg.vector_norm(rows)
             if not active:
                 return None
-            h_out = output[0] if isinstance(output, tuple) else output
             # A and B are stored in float32; the full-sequence correction runs in the hidden
             # dtype, so a bf16 backbone's activations are not doubled by float32 copies (the
             # correction is rounded to that dtype when added anyway). Statistics stay float32.

@@ -19,7 +19,7 @@ from .config import LocaConfig
 from .data.batching import Encoded, make_batches
 from .head import head_loss_and_error
 from .io import atomic_dir, atomic_write_json
-from .models import ModelParts, fingerprint
+from .models import ModelParts, at_positions, fingerprint
 from .ridge import FeedbackFactors, alignment, feedback_factors, random_factors
 from .versions import versions
 
@@ -135,8 +135,8 @@ def probe_gradients(
         if len(captured) != parts.num_blocks:
             raise RuntimeError(f"captured gradients for {len(captured)} of {parts.num_blocks} blocks")
         errors.append(e.float())
-        for i in range(parts.num_blocks):
-            grads[i].append(captured[i])
+        for i in range(parts.num_blocks):  # with the head error: the ridge fits pair them
+            grads[i].append(captured[i].to(e.device))
     if distributed.active():  # every rank gets every row, in the one-process order
         device = parts.device
         pairs = enumerate(zip(mine, errors, strict=True))
@@ -162,7 +162,7 @@ def _grad_capture_hook(captured: dict[int, Tensor], pos_b: Tensor, pos_t: Tensor
     """A forward hook that stores dLoss/dh_layer at the predict positions during backward."""
 
     def save_grad(g: Tensor) -> None:
-        captured[layer] = g[pos_b, pos_t].detach().float()
+        captured[layer] = at_positions(g, pos_b, pos_t).detach().float()
 
     def hook(module, args, output):
         out = output[0] if isinstance(output, tuple) else output

@@ -210,6 +210,12 @@ class ModelConfig:
     random_init: bool = option(
         False, "random weights from the model's config and tokenizer (for time/memory measurements)"
     )
+    device_map: str | None = option(
+        None,
+        "spread the model's blocks over the GPUs through accelerate, for a model larger than one "
+        "device: auto, balanced or sequential (replaces --device)",
+        choices=("auto", "balanced", "sequential"),
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

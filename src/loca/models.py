@@ -41,10 +41,12 @@ class ModelParts:
 
     @property
     def device(self) -> torch.device:
+        """The head's device: where batches, head errors and losses live."""
         return self.head.weight.device
 
     def final_hidden(self, input_ids, attention_mask, pos_b, pos_t, inputs_embeds=None):
-        """Normalised final hidden states ``n(h_L)`` at the predict positions (N×d).
+        """Normalised final hidden states ``n(h_L)`` at the predict positions (N×d), on the head's
+        device.
 
         The backbone is run without the LM head, so no logits are formed anywhere.
         """
@@ -53,7 +55,15 @@ class ModelParts:
             out = self.backbone(input_ids=input_ids, **kwargs)
         else:
             out = self.backbone(inputs_embeds=inputs_embeds, **kwargs)
-        return out.last_hidden_state[pos_b, pos_t]
+        return at_positions(out.last_hidden_state, pos_b, pos_t).to(self.device)
+
+
+def at_positions(h: torch.Tensor, pos_b: torch.Tensor, pos_t: torch.Tensor) -> torch.Tensor:
+    """``h[pos_b, pos_t]`` on ``h``'s device (a model spread over GPUs has its blocks' hidden
+    states on several devices; the positions live with the batch)."""
+    if pos_b.device != h.device:
+        pos_b, pos_t = pos_b.to(h.device), pos_t.to(h.device)
+    return h[pos_b, pos_t]
 
 
 def _text_config(config):
@@ -190,7 +200,7 @@ def context_length(model) -> int | None:
 
 def load_model(
     name: str, device: str | None = None, dtype: str = "float32", random_init: bool = False, seed: int = 0,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool = False, device_map: str | None = None,
 ):  # fmt: skip
     """Load ``(model, tokenizer)`` from a local folder, a built-in offline alias or a hub id.
 
@@ -198,6 +208,8 @@ def load_model(
     random (seeded): for time and memory measurements of an architecture, which do not depend on
     the weights' values. The model is put in eval mode with every parameter frozen. Code shipped
     with a model folder or hub repo (``auto_map``) is never run unless ``trust_remote_code``.
+    ``device_map`` (``auto``, ``balanced``, ``sequential``) spreads the model's blocks over the
+    GPUs through accelerate, for a model larger than one device (``device`` is then ignored).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -205,7 +217,9 @@ def load_model(
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
-    target = resolve_device(device)  # a bad --device fails before the weights are read
+    target = None if device_map else resolve_device(device)  # a bad --device fails first
+    if device_map and not torch.cuda.is_available():
+        raise ValueError(f"--device-map {device_map}: needs CUDA devices to spread the model over")
     path: str | Path = name
     if name in ALIASES:
         path = ensure_alias(name)
@@ -216,14 +230,31 @@ def load_model(
             torch.manual_seed(seed)
             config = AutoConfig.from_pretrained(path, **remote)
             model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], **remote)
+            if device_map:
+                model = _dispatch(model, device_map)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **remote)
+            placement = {"device_map": device_map} if device_map else {}
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **remote, **placement)
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
             f"could not load model {name!r}: not a model folder, not a built-in alias "
             f"({', '.join(ALIASES)}), and the hub could not provide it ({first})"
         ) from exc
-    model.to(target).eval()
+    if target is not None:
+        model.to(target)
+    model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def _dispatch(model, device_map: str):
+    """Spread an in-memory model's blocks over the GPUs (accelerate), no block split."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = getattr(model, "_no_split_modules", None) or []
+    balanced = device_map != "sequential"
+    memory = get_balanced_memory(model, no_split_module_classes=no_split) if balanced else None
+    placement = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
+    return dispatch_model(model, device_map=placement)

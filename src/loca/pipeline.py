@@ -119,7 +119,7 @@ class Pipeline:
             m = self.model_config
             model, tokenizer = load_model(
                 m.model, device=distributed.local_device(m.device), dtype=m.dtype, random_init=m.random_init,
-                trust_remote_code=m.trust_remote_code,
+                trust_remote_code=m.trust_remote_code, device_map=m.device_map,
             )  # fmt: skip
             self._set_model(model, tokenizer)
         return self

@@ -9,7 +9,8 @@ would run it), ``backbone`` (the same without the LM head: the strict lower boun
 ``calibrate`` (Stage I: probe forward+backward and the ridge fits), ``stage2`` (one Stage II pass:
 inference-mode forward with the statistics, head error at predict positions, and the block
 solves, with non-zero adapters attached: :func:`loca.fit.stage2_pass`, the very step ``loca fit``
-takes). Writes ``DIR/bench.json``.
+takes). Writes ``DIR/bench.json``. Under ``torchrun`` the calibrate and stage2 phases run
+data-parallel (each rank its share of the batches; forward and backbone stay whole per rank).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .. import distributed
 from ..adapters import ResidualAdapters
 from ..bench import measure_phases
 from ..calibrate import Calibrator
@@ -56,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--phases names no phase; choose from {PHASES}")
     run = pipeline_from_args(args, **DATA_DEFAULTS)
     model_cfg = run.model_config
-    prepare_run_dir(args.out, "bench", model=model_cfg.model, overwrite=args.overwrite,
-                    writes=("bench.json",))  # fmt: skip
+    if distributed.is_main():  # under torchrun: rank 0 writes, every rank measures its share
+        prepare_run_dir(args.out, "bench", model=model_cfg.model, overwrite=args.overwrite,
+                        writes=("bench.json",))  # fmt: skip
+    distributed.barrier()
     model, parts, task = run.model, run.parts, run.task
     cfg = run.cfg
     items = run.encoded()[0]
@@ -124,11 +128,14 @@ def run(args: argparse.Namespace) -> int:
             "predict_positions": sum(b.n_positions for b in batches),
             "cpu": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(),
+            "world_size": distributed.world_size(),
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
             "loca": cfg.to_dict(),
             "versions": versions(),
         },
     }
+    if not distributed.is_main():
+        return 0
     atomic_write_json(Path(args.out) / "bench.json", report)
     print(f"{'phase':12}{'time_s':>10}{'min_s':>10}{'peak_mb':>10}{'median_mb':>11}")
     for r in rows:

@@ -1,0 +1,60 @@
+"""Write a model folder of a known architecture (config only, no weights) for time and memory runs
+with ``--random-init``: the config of a published model and the SmolLM2 alias's tokenizer (the
+token ids it produces are valid in any of these vocabularies; text lengths are SmolLM2's).
+
+    python scripts/arch_folder.py qwen2.5-7b runs/arch/qwen2.5-7b
+    loca bench --model runs/arch/qwen2.5-7b --random-init --dtype bfloat16 ...
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from loca.zoo import ensure_alias
+
+QWEN = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
+            rope_theta=1e6, max_position_embeddings=32768, attention_dropout=0.0, use_sliding_window=False)
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
+             max_position_embeddings=8192, attention_bias=False, mlp_bias=False)
+
+
+def shape(base: dict, d: int, ff: int, layers: int, heads: int, kv: int, vocab: int, tied: bool,
+          **kw) -> dict:  # fmt: skip
+    return dict(base, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                tie_word_embeddings=tied, **kw)  # fmt: skip
+
+
+# published shapes (the models' config.json files)
+ARCHS = {
+    "qwen2.5-0.5b": shape(QWEN, 896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5b": shape(QWEN, 1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-3b": shape(QWEN, 2048, 11008, 36, 16, 2, 151936, True),
+    "qwen2.5-7b": shape(QWEN, 3584, 18944, 28, 28, 4, 152064, False),
+    "qwen2.5-14b": shape(QWEN, 5120, 13824, 48, 40, 8, 152064, False),
+    "smollm2-1.7b": shape(LLAMA, 2048, 8192, 24, 32, 32, 49152, True, rope_theta=130000),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def write_arch_folder(name: str, out: Path, tokenizer_from: Path | None = None) -> Path:
+    """``out`` with ``config.json`` of architecture ``name`` and a tokenizer (default: SmolLM2's)."""
+    source = tokenizer_from or ensure_alias("smollm2-135m-instruct")
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**ARCHS[name], "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+              "torch_dtype": "bfloat16", "loca_arch_preset": name, "tokenizer": str(source)}  # fmt: skip
+    for f in TOKENIZER_FILES:
+        if (Path(source) / f).is_file():
+            shutil.copy(Path(source) / f, out / f)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ARCHS:
+        sys.exit(f"usage: arch_folder.py {{{','.join(ARCHS)}}} OUT [TOKENIZER_FOLDER]")
+    tokenizer = Path(sys.argv[3]) if len(sys.argv) == 4 else None
+    print(write_arch_folder(sys.argv[1], Path(sys.argv[2]), tokenizer))
