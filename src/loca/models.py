@@ -227,11 +227,13 @@ def load_model(
         remote = {"trust_remote_code": trust_remote_code}
         tokenizer = AutoTokenizer.from_pretrained(path, **remote)
         if random_init:
-            torch.manual_seed(seed)
+            from transformers.initialization import no_init_weights
+
             config = AutoConfig.from_pretrained(path, **remote)
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], **remote)
-            if device_map:
-                model = _dispatch(model, device_map)
+            with no_init_weights():  # allocation only: the weights are drawn where they will live
+                model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], **remote)
+            model = _dispatch(model, device_map) if device_map else model.to(target)
+            _draw_weights(model, seed, getattr(config, "initializer_range", 0.02))
         else:
             placement = {"device_map": device_map} if device_map else {}
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **remote, **placement)
@@ -246,6 +248,19 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+@torch.no_grad()
+def _draw_weights(model, seed: int, std: float) -> None:
+    """Seeded random weights on each parameter's own device: N(0, std²) for matrices and
+    embeddings, 1 for norm scales, 0 for biases (the usual initialisation, drawn on the GPU)."""
+    gen: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        g = gen.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+        if p.dim() == 1:
+            p.fill_(1.0 if "norm" in name else 0.0)
+        else:
+            p.normal_(0.0, std, generator=g)
 
 
 def _dispatch(model, device_map: str):

@@ -29,7 +29,7 @@ from ..fit import block_groups, stage2_pass
 from ..io import atomic_write_json
 from ..runs import prepare_run_dir
 from ..versions import versions
-from .common import add_config_args, add_data_args, add_model_args, pipeline_from_args
+from .common import add_config_args, add_data_args, add_model_args, add_output_args, pipeline_from_args
 
 PHASES = ("forward", "backbone", "calibrate", "stage2")
 DATA_DEFAULTS = dict(n_train=64, n_heldout=1, n_test=1)
@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per phase (median reported)")
     p.add_argument("--out", required=True, help="folder for bench.json")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier `loca bench` run in --out")
+    add_output_args(p)
 
 
 def run(args: argparse.Namespace) -> int:

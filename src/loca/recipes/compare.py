@@ -28,6 +28,7 @@ from ..runs import prepare_run_dir, run_command
 from .common import (
     add_config_args,
     add_dataclass_args,
+    add_output_args,
     config_from_args,
     dataclass_from_args,
     resolve_data_dir,
@@ -53,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dataclass_args(p, LoraSettings, title="LoRA", prefix="lora", skip=("seed",))
     add_dataclass_args(p, MezoSettings, title="Adapter-MeZO", prefix="mezo", skip=_MEZO_SKIP)
     add_dataclass_args(p, MezoSettings, title="full MeZO", prefix="full-mezo", skip=_MEZO_SKIP)
+    add_output_args(p)
 
 
 def run(args: argparse.Namespace) -> int:

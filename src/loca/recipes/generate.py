@@ -17,7 +17,7 @@ import torch
 
 from ..adapters import from_pretrained
 from ..models import load_model
-from .common import add_model_args, model_config_from_args
+from .common import add_model_args, add_output_args, model_config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--compare", action="store_true", help="also print the frozen model's continuation")
+    add_output_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
