@@ -111,3 +111,32 @@ def test_data_parallel_fit_equals_one_process_in_float64(tmp_path):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)  # B is float32; the sums are float64
     for a, b in zip(one["sketch_a"], two["sketch_a"], strict=True):  # top-2 directions: one subspace
         torch.testing.assert_close(b.double().T @ b.double(), a.double().T @ a.double(), rtol=0, atol=1e-5)
+
+
+def test_compare_under_torchrun_matches_one_process(tmp_path):
+    """Every method on two Gloo ranks: LoCA data-parallel, LoRA and MeZO replicated, MeZO's
+    'auto' time budget decided by rank 0's clock (a per-rank clock would desynchronise the ranks)."""
+    save_tiny_model(tmp_path / "model")
+    rng = random.Random(0)
+    for split, n in (("train", 60), ("validation", 20)):
+        write_sentiment_task(tmp_path / "data" / "sst2" / f"{split}.jsonl", n, rng, id_prefix=f"{split}-")
+    args = ["-m", "loca", "compare", "--model", str(tmp_path / "model"), "--data-dir", str(tmp_path / "data"),
+            "--device", "cpu", "--tasks", "sst2", "--seeds", "0", "--n-train", "16", "--n-heldout", "8",
+            "--n-test", "10", "--rank", "4", "--feedback-rank", "4", "--max-iters", "2", "--batch-size", "4",
+            "--lora-rank", "4", "--lora-alpha", "8", "--lora-epochs", "1", "--lora-lrs", "1e-3",
+            "--mezo-max-steps", "4", "--mezo-eval-every", "2", "--methods", "frozen", "lora", "loca",
+            "adapter-mezo", "--quiet"]  # fmt: skip
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    for argv, out in (([sys.executable], "one"), (launch, "two")):
+        proc = subprocess.run([*argv, *args, "--out", str(tmp_path / out)], env=ENV, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for out in ("one", "two"):
+        for r in json.loads((tmp_path / out / "results.json").read_text())["rows"]:
+            rows[(out, r["method"])] = r
+    for method in ("frozen", "lora", "loca"):
+        one, two = rows[("one", method)], rows[("two", method)]
+        for key in ("test_ce", "acc", "heldout_ce"):
+            assert two[key] == pytest.approx(one[key], rel=1e-5), (method, key)
+    assert rows[("two", "adapter-mezo")]["test_ce"] > 0  # ran (its step count follows rank 0's clock)

@@ -20,7 +20,7 @@ def test_a_model_spread_over_two_gpus_fits_like_one(tmp_path):
     from loca.models import load_model
 
     save_tiny_model(tmp_path / "model")
-    write_sentiment_task(tmp_path / "task.jsonl", 60, random.Random(0))
+    write_sentiment_task(tmp_path / "task.jsonl", 80, random.Random(0))
     data = DataConfig(str(tmp_path / "task.jsonl"), template=SENTIMENT_TEMPLATE, n_train=24, n_heldout=10,
                       n_test=12)  # fmt: skip
     cfg = LocaConfig(rank=4, feedback_rank=4, max_iters=4, step_control="fixed", etas=[0.01, 0.03])

@@ -69,6 +69,14 @@ def all_reduce_numbers(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def from_main(value: float) -> float:
+    """Rank 0's ``value`` on every rank: a decision that depends on a clock (a time budget) is
+    taken once, so that every rank runs the same number of collectives."""
+    if not active():
+        return value
+    return all_reduce_numbers([value if is_main() else 0.0])[0]
+
+
 def gather_objects(obj: T) -> list[T]:
     """Every rank's ``obj``, in rank order (pickled; for per-item results and probe rows)."""
     if not active():

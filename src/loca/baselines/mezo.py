@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..adapters import ResidualAdapters
 from ..config import option
 from ..data.batching import Batch
@@ -368,7 +369,8 @@ def _fit(
                     if not math.isfinite(ce):
                         reason = f"non-finite held-out CE at step {t}"
                         break
-                if share is not None and t < settings.max_steps and time.perf_counter() - start >= share:
+                over = share is not None and time.perf_counter() - start >= share
+                if share is not None and t < settings.max_steps and distributed.from_main(float(over)):
                     reason = f"time budget ({share:.3g} s per candidate) after step {t}"
                     break
             if done > last_eval:

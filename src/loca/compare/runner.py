@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .. import distributed
 from ..bench import PeakMemory
 from ..config import PRESETS, DataConfig, LocaConfig, ModelConfig, option
 from ..data import get_task, make_batches
@@ -151,7 +152,7 @@ def run_compare(
     store = CellStore(out)
     start = time.perf_counter()
     tasks = [get_task(t) for t in settings.tasks]
-    model_obj, tokenizer = load_model(model, device=device, dtype=dtype)
+    model_obj, tokenizer = load_model(model, device=distributed.local_device(device or "auto"), dtype=dtype)
     parts = find_parts(model_obj)
     max_length, note = clamp_max_length(configs.loca.max_length, model_obj)
     if note:
@@ -168,11 +169,16 @@ def run_compare(
         "evaluation": {"max_length": configs.loca.max_length, "batch_size": configs.loca.batch_size,
                        "add_eos": configs.loca.add_eos},
     }  # fmt: skip
-    atomic_write_json(out / "config.json", {
-        "command": "compare", "model": model, "data_dir": data_dir, "device": str(parts.device),
-        "settings": asdict(settings), "loca": configs.loca.to_dict(), "lora": configs.lora.to_dict(),
-        "adapter_mezo": configs.adapter_mezo.to_dict(), "mezo": configs.mezo.to_dict(), **base,
-    })  # fmt: skip
+    main = distributed.is_main()  # under torchrun: rank 0 writes and logs, every rank computes
+    if not main:
+        log = _silent
+    if main:
+        atomic_write_json(out / "config.json", {
+            "command": "compare", "model": model, "data_dir": data_dir, "device": str(parts.device),
+            "settings": asdict(settings), "loca": configs.loca.to_dict(), "lora": configs.lora.to_dict(),
+            "adapter_mezo": configs.adapter_mezo.to_dict(), "mezo": configs.mezo.to_dict(), **base,
+            "world_size": distributed.world_size(),
+        })  # fmt: skip
     counts = {"reused": 0, "run": 0}
     for task in tasks:
         for seed in settings.seeds:
@@ -198,7 +204,8 @@ def run_compare(
                     if data is None:
                         data = _prepare(pipeline, settings)
                     cell = _run_cell(data, method, mcfg)
-                    store.save(task.name, seed, method, key, cell)
+                    if main:
+                        store.save(task.name, seed, method, key, cell)
                     counts["run"] += 1
                     log(f"{task.name} seed {seed} {method}: test CE {cell['test']['test_ce']:.4f}, "
                         f"acc {cell['test']['acc']:.3f}, {cell['wall_time_s']:.0f} s")  # fmt: skip
@@ -214,10 +221,15 @@ def run_compare(
                         f"{fit['frozen_heldout_ce']} before this method but {frozen_ce} in the frozen "
                         "cell; an earlier method left the model modified"
                     )
-                if method == "loca":
-                    loca_wall = fit["wall_time_s"]
+                if method == "loca":  # MeZO's 'auto' budget: rank 0's clock, the same key everywhere
+                    loca_wall = distributed.from_main(fit["wall_time_s"])
     log(f"cells: {counts['run']} run, {counts['reused']} reused ({time.perf_counter() - start:.0f} s)")
-    return write_report(out, store.all_cells())
+    distributed.barrier()
+    return write_report(out, store.all_cells()) if main else {}
+
+
+def _silent(message: str) -> None:
+    pass
 
 
 def _close(a: float, b: float) -> bool:

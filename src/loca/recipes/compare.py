@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .. import distributed
 from ..baselines.lora import LoraSettings
 from ..baselines.mezo import MezoSettings
 from ..compare import CompareSettings, MethodConfigs, run_compare
@@ -68,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote the report of {len(cells)} cells to {args.out}")
         return 0
     settings = dataclass_from_args(CompareSettings, args)
-    prepare_run_dir(args.out, "compare", model=args.model, resumable=True)
+    if distributed.is_main():
+        prepare_run_dir(args.out, "compare", model=args.model, resumable=True)
+    distributed.barrier()
     configs = MethodConfigs(
         loca=config_from_args(args),
         lora=dataclass_from_args(LoraSettings, args, "lora"),
@@ -79,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         settings, configs, model=args.model, out=args.out, data_dir=resolve_data_dir(args.data_dir),
         device=args.device, dtype=args.dtype,
     )  # fmt: skip
+    if not distributed.is_main():
+        return 0
     print(open(f"{args.out}/table.md").read())
     head = report["summary"].get("loca_vs_lora")
     if head:
