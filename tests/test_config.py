@@ -73,3 +73,26 @@ def test_config_file_then_flags(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"learning_rate": 1}))
     with pytest.raises(ValueError, match="unknown LoCA setting"):
         config_from_args(p.parse_args(["--config", str(tmp_path / "bad.json")]))
+
+
+def test_a_yaml_config_holds_every_section(tmp_path):
+    """``--config x.yaml`` with model, data and LoCA sections; flags given still win."""
+    from loca.recipes.common import add_data_args, add_model_args, sections_from_args
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_data_args(p, n_train=128)
+    add_config_args(p)
+    (tmp_path / "run.yaml").write_text(
+        "model:\n  model: some/model\n  dtype: bfloat16\n"
+        "data:\n  task: boolq\n  n_train: 300\n"
+        "loca:\n  beta_rel: 0.25\n  etas: [0.01, 0.02]\n"
+    )
+    args = p.parse_args(["--config", str(tmp_path / "run.yaml"), "--n-train", "7"])
+    model, data, cfg = sections_from_args(args)
+    assert (model.model, model.dtype) == ("some/model", "bfloat16")
+    assert (data.task, data.n_train, data.n_heldout) == ("boolq", 7, 64)
+    assert cfg == LocaConfig(beta_rel=0.25, etas=[0.01, 0.02])
+    (tmp_path / "bad.yaml").write_text("data:\n  n_epochs: 3\n")
+    with pytest.raises(ValueError, match="unknown data setting"):
+        sections_from_args(p.parse_args(["--config", str(tmp_path / "bad.yaml")]))

@@ -416,3 +416,24 @@ def test_alias_special_tokens_are_pinned_whatever_the_converter_picked():
         pin_special_tokens(tok, model, (("eos_token", "<|no such token|>"),))
     for spec in ALIASES.values():  # every built-in alias pins at least its EOS
         assert dict(spec.special_tokens).get("eos_token")
+
+
+def test_the_chat_template_comes_verbatim_from_the_gguf(tmp_path):
+    """The alias conversion takes the chat template from the GGUF metadata itself, and records
+    its hash, so every transformers version converts to the same template."""
+    from gguf import GGUFWriter
+
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+    path = tmp_path / "t.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_chat_template(template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert zoo.gguf_chat_template(path) == template
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "chat_template.jinja").write_text(template)
+    import hashlib
+
+    assert zoo.chat_template_sha256(tmp_path / "tok") == hashlib.sha256(template.encode()).hexdigest()

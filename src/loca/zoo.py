@@ -238,9 +238,32 @@ def pin_special_tokens(tokenizer, model, tokens: tuple[tuple[str, str], ...]) ->
     return ids
 
 
+def gguf_chat_template(path: Path) -> str | None:
+    """The chat template stored in a GGUF file's metadata (``tokenizer.chat_template``), if any."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def chat_template_sha256(folder: Path) -> str | None:
+    """sha256 of a saved tokenizer's chat template (``chat_template.jinja`` or the config's)."""
+    jinja = folder / "chat_template.jinja"
+    config = folder / "tokenizer_config.json"
+    if jinja.is_file():
+        text = jinja.read_text()
+    elif config.is_file():
+        text = json.loads(config.read_text()).get("chat_template")
+    else:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest() if isinstance(text, str) else None
+
+
 def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path, special_tokens=()) -> dict[str, int]:
     """Load a GGUF checkpoint (dequantized to float32) and save it as an ordinary HF folder, with
-    the special tokens pinned (:func:`pin_special_tokens`); return their ids."""
+    the special tokens pinned (:func:`pin_special_tokens`) and the chat template taken verbatim
+    from the file's metadata (not from whatever the installed transformers makes of it); return
+    the special tokens' ids."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -251,6 +274,9 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path, special_tokens=(
         # transformers 5: a GGUF-loaded model refuses save_pretrained until this is removed.
         quantizer.remove_quantization_config(model)
     ids = pin_special_tokens(tokenizer, model, tuple(special_tokens))
+    template = gguf_chat_template(Path(gguf_dir) / gguf_file)
+    if template:
+        tokenizer.chat_template = template
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     del model
@@ -286,6 +312,7 @@ def _convert_into(spec: AliasSpec, gguf: Path, target: Path) -> None:
         marker = {
             "format": "loca-alias",
             "special_tokens": {**dict(spec.special_tokens), **ids},
+            "chat_template_sha256": chat_template_sha256(tmp),
             "converter": _converter_versions(),
             "alias": spec.name,
             "description": spec.description,
