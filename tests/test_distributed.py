@@ -11,17 +11,14 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import SENTIMENT_TEMPLATE, save_tiny_model, write_sentiment_task
+from tiny import SENTIMENT_TEMPLATE, save_model_and_task, save_tiny_model, write_sentiment_task
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dp")
-    save_tiny_model(root / "model")
-    write_sentiment_task(root / "task.jsonl", 80, random.Random(0))
-    return root
+    return save_model_and_task(tmp_path_factory.mktemp("dp"), 80)
 
 
 def run(root, out, nproc: int, *extra: str) -> None:

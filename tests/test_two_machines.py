@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import SENTIMENT_TEMPLATE, save_tiny_model, write_sentiment_task
+from tiny import SENTIMENT_TEMPLATE, save_model_and_task, write_sentiment_task
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 DATA = ["--n-train", "16", "--n-heldout", "8", "--n-test", "10"]
@@ -30,10 +30,7 @@ DATA = ["--n-train", "16", "--n-heldout", "8", "--n-test", "10"]
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("two-machines")
-    save_tiny_model(root / "model")
-    write_sentiment_task(root / "task.jsonl", 60, random.Random(0))
-    return root
+    return save_model_and_task(tmp_path_factory.mktemp("two-machines"), 60)
 
 
 def common(root) -> list[str]:

@@ -74,3 +74,10 @@ def write_sentiment_task(path: Path, n: int, rng: random.Random, id_prefix: str 
                    "choices": ["negative", "positive"], "label": int(words[0] in WORDS[:8])}  # fmt: skip
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def save_model_and_task(root: Path, n: int) -> Path:
+    """``root/model`` (:func:`save_tiny_model`) and ``root/task.jsonl`` with ``n`` rows, seed 0."""
+    save_tiny_model(root / "model")
+    write_sentiment_task(root / "task.jsonl", n, random.Random(0))
+    return root

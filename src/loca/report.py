@@ -11,13 +11,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
-
-from .io import atomic_write_json, atomic_write_text  # noqa: E402
+from .io import atomic_write_json, atomic_write_text
+from .plotting import panel_grid, plt
 
 FILES = ("report.md", "report.json", "heldout_ce.png", "alignment.png")
 COLUMNS = {  # row key -> table heading
@@ -229,15 +226,6 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _panels(n: int):
-    cols = min(n, 3)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    for ax in axes.flat[n:]:
-        ax.set_visible(False)
-    return fig, list(axes.flat[:n])
-
-
 def _points(t: Trajectory) -> list[tuple[int, float, bool | None]]:
     """(iteration, held-out CE, accepted) of ``t``'s steps that have a finite CE."""
     accepted = t.accepted or [None] * len(t.iterations)
@@ -323,7 +311,7 @@ def write_plots(out: Path, runs: list[Run]) -> list[Path]:
     """``heldout_ce.png`` and ``alignment.png``, one panel per run."""
     written = []
     for name, panel in (("heldout_ce.png", _heldout_panel), ("alignment.png", _alignment_panel)):
-        fig, axes = _panels(len(runs))
+        fig, axes = panel_grid(len(runs))
         for ax, run in zip(axes, runs, strict=True):
             panel(ax, run)
         fig.tight_layout()

@@ -6,12 +6,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from .methods import METHODS  # noqa: E402
+from ..plotting import panel_grid, plt
+from .methods import METHODS
 
 COLORS = {"frozen": "0.4", "lora": "C0", "adapter-mezo": "C2", "loca": "C3", "mezo": "C4", "loca-abs": "C1"}
 FILES = ("heldout_vs_time.png", "heldout_vs_steps.png", "accuracy.png")
@@ -42,15 +38,6 @@ def _selected_curve(fit: dict) -> tuple[list[int], list[float]]:
     return [max(r["step"], 0) for r in rows], [r["heldout_ce"] for r in rows]
 
 
-def _grid(n: int):
-    cols = min(n, 3)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    for ax in axes.flat[n:]:
-        ax.set_visible(False)
-    return fig, list(axes.flat[:n])
-
-
 def write_plots(out: str | Path, cells: list[dict], rows: list[dict]) -> list[Path]:
     out = Path(out)
     tasks = list(dict.fromkeys(c["task"] for c in cells))
@@ -63,7 +50,7 @@ def write_plots(out: str | Path, cells: list[dict], rows: list[dict]) -> list[Pa
     written = []
 
     for fname, xlabel in (("heldout_vs_time.png", "wall time (s)"), ("heldout_vs_steps.png", "step")):
-        fig, axes = _grid(len(tasks))
+        fig, axes = panel_grid(len(tasks))
         for ax, task in zip(axes, tasks, strict=True):
             for c in sorted(by_task[task], key=lambda c: c["seed"]):
                 m, fit = c["method"], c["fit"]
