@@ -107,3 +107,41 @@ def test_calibration_leaves_parameter_grads_empty_whatever_requires_grad():
     params = list(model.parameters())
     assert all(p.requires_grad for p in params)
     assert all(p.grad is None for p in params)
+
+
+def test_checkpointed_probe_gives_the_same_gradients_and_recomputes_each_block():
+    """Per-block recomputation in the probe: the same errors and gradients (float64), each block
+    run twice per micro-batch (forward, then again in the backward), and the blocks' own
+    ``forward`` back afterwards."""
+    from loca.calibrate import checkpointed
+
+    model, parts = tiny_llama()
+    items = sequences(12)
+    plain = probe_gradients(parts, items, probe_micro_batch=4, pad_id=0)
+    calls = {"n": 0}
+    count = lambda *a: calls.__setitem__("n", calls["n"] + 1)  # noqa: E731
+    handles = [b.register_forward_pre_hook(count) for b in parts.blocks]
+    inner_calls = {"n": 0}
+    real = type(parts.blocks[0]).forward
+
+    def counted(self, *args, **kwargs):
+        inner_calls["n"] += 1
+        return real(self, *args, **kwargs)
+
+    try:
+        type(parts.blocks[0]).forward = counted
+        recomputed = probe_gradients(parts, items, probe_micro_batch=4, pad_id=0, recompute=True)
+    finally:
+        type(parts.blocks[0]).forward = real
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(recomputed[0], plain[0], rtol=0, atol=0)
+    for a, b in zip(recomputed[1], plain[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    n_micro = 3
+    assert calls["n"] == parts.num_blocks * n_micro  # hooks: once per block and micro-batch
+    assert inner_calls["n"] == 2 * parts.num_blocks * n_micro  # the block itself: twice
+    assert all("forward" not in b.__dict__ for b in parts.blocks)
+    with checkpointed(parts.blocks):
+        assert all("forward" in b.__dict__ for b in parts.blocks)
+    assert all("forward" not in b.__dict__ for b in parts.blocks)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from . import distributed
@@ -96,9 +98,34 @@ class FeedbackMaps:
         return maps.to_blocks(parts) if parts is not None else maps
 
 
+@contextmanager
+def checkpointed(blocks) -> Iterator[None]:
+    """Run every block under ``torch.utils.checkpoint`` (non-reentrant) inside the ``with`` body:
+    the backward recomputes a block's internals instead of keeping them. Hooks on the blocks run
+    as before (they wrap the checkpointed call); the original ``forward`` comes back after."""
+    saved = []
+    for block in blocks:
+        own = block.__dict__.get("forward")  # set on the instance, e.g. by accelerate's hooks
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        saved.append((block, own))
+    try:
+        yield
+    finally:
+        for block, own in saved:
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
+
+
 def probe_gradients(
     parts: ModelParts, items: Sequence[Encoded], probe_micro_batch: int, pad_id: int,
-    progress: bool = False,
+    progress: bool = False, recompute: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
     """Head errors E (N×d) and true block-output gradients G_l (N×d) at every predict position.
 
@@ -106,7 +133,8 @@ def probe_gradients(
     exact head error as its incoming gradient, so no logits enter the autograd graph, and no
     parameter gradient is computed or stored (the backward runs to the input embeddings only,
     whatever the parameters' ``requires_grad``: a model loaded elsewhere keeps ``.grad`` None).
-    Peak memory is that of one micro-batch's forward+backward.
+    Peak memory is that of one micro-batch's forward+backward; with ``recompute`` (see
+    :func:`checkpointed`) only the block boundaries and one block's internals are kept.
     """
     errors: list[Tensor] = []
     grads: list[list[Tensor]] = [[] for _ in parts.blocks]
@@ -121,7 +149,7 @@ def probe_gradients(
         make_hook = partial(_grad_capture_hook, captured, b.pos_b, b.pos_t)
         handles = [blk.register_forward_hook(make_hook(i)) for i, blk in enumerate(parts.blocks)]
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), checkpointed(parts.blocks) if recompute else nullcontext():
                 embeds = embed(b.input_ids).detach().requires_grad_(True)
                 hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t, inputs_embeds=embeds)
                 with torch.no_grad():
@@ -191,6 +219,7 @@ def calibrate(
     feedback_rank: int = _DEFAULTS.feedback_rank,
     beta_rel: float = _DEFAULTS.beta_rel,
     probe_micro_batch: int = _DEFAULTS.probe_micro_batch,
+    probe_checkpoint: bool = _DEFAULTS.probe_checkpoint,
     pad_id: int = 0,
     seed: int = 0,
     pool: list[tuple[Tensor, list[Tensor]]] | None = None,
@@ -210,7 +239,7 @@ def calibrate(
     was_training = parts.model.training
     parts.model.eval()
     try:
-        errors, grads = probe_gradients(parts, probe, probe_micro_batch, pad_id, progress)
+        errors, grads = probe_gradients(parts, probe, probe_micro_batch, pad_id, progress, probe_checkpoint)
         if pool is None:
             factors = feedback_factors(errors, grads, beta_rel, feedback_rank)
         else:
@@ -227,7 +256,8 @@ def calibrate(
             ],
         }
         if heldout_probe:
-            h_err, h_grads = probe_gradients(parts, heldout_probe, probe_micro_batch, pad_id)
+            h_err, h_grads = probe_gradients(parts, heldout_probe, probe_micro_batch, pad_id,
+                                             recompute=probe_checkpoint)  # fmt: skip
             diag["heldout"] = [alignment(f, h_err, g) for f, g in zip(factors, h_grads, strict=True)]
     finally:
         parts.model.train(was_training)
@@ -305,7 +335,8 @@ class Calibrator:
         cfg = self.cfg
         return calibrate(
             self.parts, self.probe, self.heldout_probe, feedback_rank=cfg.feedback_rank,
-            beta_rel=cfg.beta_rel, probe_micro_batch=cfg.probe_micro_batch, pad_id=self.pad_id,
+            beta_rel=cfg.beta_rel, probe_micro_batch=cfg.probe_micro_batch,
+            probe_checkpoint=cfg.probe_checkpoint, pad_id=self.pad_id,
             seed=cfg.seed, pool=pool, progress=self.progress,
         )  # fmt: skip
 
@@ -318,7 +349,8 @@ class Calibrator:
         self.parts.model.eval()
         try:
             err, grads = probe_gradients(
-                self.parts, self.heldout_probe, self.cfg.probe_micro_batch, self.pad_id
+                self.parts, self.heldout_probe, self.cfg.probe_micro_batch, self.pad_id,
+                recompute=self.cfg.probe_checkpoint,
             )
         finally:
             self.parts.model.train(was_training)

@@ -112,6 +112,12 @@ class LocaConfig:
     probe_positions: int = option(
         1000, "minimum number of predict positions in the calibration probe", section="calibration"
     )
+    probe_checkpoint: bool = option(
+        True,
+        "recompute each block in the probe's backward instead of keeping its activations (the "
+        "probe's peak memory is then the block boundaries plus one block; the same maps)",
+        section="calibration",
+    )
     probe_micro_batch: int = option(
         8, "sequences per probe micro-batch (bounds the probe's peak memory)", section="calibration"
     )
