@@ -1,0 +1,119 @@
+"""The phases ``loca bench`` times side by side, on the same batches of one pipeline.
+
+- ``forward``: a plain inference forward of the causal LM over the training batches, logits
+  included, as a user would run it; ``backbone``: the same without the LM head (the floor).
+- ``calibrate``: Stage I (probe forward + backward, ridge fits).
+- ``stage2``: one Stage II step, :func:`loca.fit.stage2_pass` with non-zero adapters.
+- ``full-run``: what ``loca fit`` does before evaluating: calibration, then a fit of
+  ``full_run_iters`` iterations with its held-out selection.
+- ``lora``: one epoch of PEFT LoRA (rank 32 on q/k/v/o, forward + backward + AdamW, one step per
+  batch) on the same batches, with :mod:`loca.baselines.lora`.
+- ``adapter-mezo`` / ``mezo``: as many SPSA steps (two forwards each) as LoRA takes optimizer
+  steps, on LoCA's adapters / on every parameter.
+
+The baselines include their (tiny) held-out evaluations, which ``loca bench`` keeps to one example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from .adapters import ResidualAdapters
+from .calibrate import Calibrator
+from .fit import block_groups, fit, stage2_pass
+
+PHASES = ("forward", "backbone", "calibrate", "stage2", "full-run", "lora", "adapter-mezo", "mezo")
+# passes over the training tokens each phase makes (for tokens/s); None: not a pass over them
+PASSES = {"forward": 1, "backbone": 1, "stage2": 1, "lora": 1, "adapter-mezo": 2, "mezo": 2}
+
+
+def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[str, Callable[[], object]]:
+    """One callable per phase in ``names``, each leaving the model as it found it."""
+    parts, model, cfg = pipeline.parts, pipeline.model, pipeline.cfg
+    train_items, heldout_items = pipeline.encoded()
+    batches = [b.to(parts.device) for b in pipeline.batches(train_items)]
+    heldout = pipeline.batches(heldout_items)
+
+    def calibrate():  # Stage I on the training items (no held-out alignment diagnostic)
+        return Calibrator(parts, train_items, [], cfg, pipeline.pad_id).calibrate()
+
+    phases: dict[str, Callable[[], object]] = {}
+
+    @torch.inference_mode()
+    def forward():
+        for b in batches:
+            model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+
+    @torch.inference_mode()
+    def backbone():
+        for b in batches:
+            parts.backbone(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+
+    phases.update(forward=forward, backbone=backbone, calibrate=calibrate)
+    if "stage2" in names:
+        maps = calibrate()
+        adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        b_start = [1e-3 * torch.randn(b.shape, generator=gen) for b in adapters.B]
+        groups = block_groups(parts.num_blocks, cfg.groups)
+
+        def stage2():
+            with adapters:
+                stage2_pass(parts, adapters, maps, batches, b_start, cfg.etas[0], cfg.lam_rel[0], cfg, groups)
+
+        phases["stage2"] = stage2
+
+    def full_run():
+        short = replace(cfg, max_iters=full_run_iters)
+        maps = Calibrator(parts, train_items, [], short, pipeline.pad_id).calibrate()
+        with torch.no_grad():
+            fit(parts, maps, batches, heldout, short, progress=False).adapters.detach()
+
+    def lora():
+        from .baselines.lora import LoraSettings, fit_lora
+
+        settings = LoraSettings(rank=32, lrs=[1e-4], epochs=1, seed=cfg.seed)
+        fit_lora(parts, batches, heldout, settings, progress=False).unload()
+
+    def mezo_settings():
+        from .baselines.mezo import MezoSettings
+
+        steps = len(batches)
+        return MezoSettings(lrs=[1e-3], max_steps=steps, eval_every=steps, seed=cfg.seed, rank=cfg.rank)
+
+    def adapter_mezo():
+        from .baselines.mezo import fit_adapter_mezo
+
+        fit_adapter_mezo(parts, batches, heldout, mezo_settings(), progress=False).restore()
+
+    def mezo():
+        from .baselines.mezo import fit_mezo
+
+        fit_mezo(parts, batches, heldout, mezo_settings(), progress=False).restore()
+
+    phases.update({"full-run": full_run, "lora": lora, "adapter-mezo": adapter_mezo, "mezo": mezo})
+    return {name: phases[name] for name in names}
+
+
+def ratio_table(rows: list[dict], tokens: int) -> str:
+    """A Markdown table shaped like the paper's Table 2: each phase's time and memory, and its
+    ratios to the plain forward and to LoRA (where they were measured)."""
+    by = {r["phase"]: r for r in rows}
+    head = "| phase | time (s) | × forward | × LoRA | peak MB | × forward | × LoRA | median MB | tokens/s |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(r: dict, base: str, key: str) -> str:
+        b = by.get(base)
+        return f"{r[key] / b[key]:.2f}" if b and b[key] > 0 and r is not b else "—"
+
+    for r in rows:
+        passes = PASSES.get(r["phase"])
+        tps = f"{tokens * passes / r['time_s']:,.0f}" if passes and r["time_s"] > 0 else "—"
+        cells = [r["phase"], f"{r['time_s']:.3f}", ratio(r, "forward", "time_s"), ratio(r, "lora", "time_s"),
+                 f"{r['peak_mb']:.1f}", ratio(r, "forward", "peak_mb"), ratio(r, "lora", "peak_mb"),
+                 f"{r['median_mb']:.1f}", tps]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

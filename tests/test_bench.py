@@ -1,0 +1,47 @@
+"""The benchmark's own sanity: a phase that allocates a known buffer shows it, phases do not see
+each other's allocations, and every phase (the baselines included) runs on a tiny model."""
+
+import json
+
+import torch
+from tiny import SENTIMENT_TEMPLATE, save_model_and_task
+
+from loca.bench import measure_phases
+from loca.cli import main
+
+MB = 2**20
+
+
+def test_a_known_allocation_shows_and_phases_are_isolated():
+    held = []
+
+    def big():  # 64 MB, touched, alive for the whole phase
+        x = torch.ones(64 * MB // 4)
+        held.append(float(x.sum()))
+
+    def small():
+        held.append(float(torch.ones(1000).sum()))
+
+    rows = {r.phase: r for r in measure_phases({"big": big, "small": small}, torch.device("cpu"), repeats=2)}
+    assert 60 <= rows["big"].peak_mb <= 100, rows["big"]
+    assert rows["small"].peak_mb < 8, rows["small"]  # the big phase's buffer is not counted again
+    assert rows["big"].time_s > 0 and rows["small"].repeats == 2
+
+
+def test_every_phase_runs_and_the_table_has_its_ratios(tmp_path):
+    root = save_model_and_task(tmp_path, 60)
+    out = tmp_path / "bench"
+    argv = ["bench", "--model", str(root / "model"), "--task", str(root / "task.jsonl"), "--template",
+            SENTIMENT_TEMPLATE, "--device", "cpu", "--rank", "4", "--feedback-rank", "4", "--n-train", "16",
+            "--phases", "forward,stage2,full-run,lora,adapter-mezo,mezo", "--repeats", "1",
+            "--full-run-iters", "2", "--quiet", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    phases = ["forward", "stage2", "full-run", "lora", "adapter-mezo", "mezo"]
+    assert [r["phase"] for r in report["rows"]] == phases
+    table = (out / "bench.md").read_text().splitlines()
+    lora = next(line for line in table if line.startswith("| lora |"))
+    stage2 = next(line for line in table if line.startswith("| stage2 |")).split(" | ")
+    by = {r["phase"]: r for r in report["rows"]}
+    assert float(stage2[3]) == round(by["stage2"]["time_s"] / by["lora"]["time_s"], 2)
+    assert "—" in lora  # LoRA against itself: no ratio
