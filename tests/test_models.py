@@ -437,3 +437,35 @@ def test_the_chat_template_comes_verbatim_from_the_gguf(tmp_path):
     import hashlib
 
     assert zoo.chat_template_sha256(tmp_path / "tok") == hashlib.sha256(template.encode()).hexdigest()
+
+
+def test_arch_folders_hold_the_published_shapes(tmp_path):
+    """``arch:NAME``: a published config, a tokenizer, no weights; unknown names are refused."""
+    from tiny import tiny_tokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from loca.archs import ARCHS, arch_folder, write_arch_folder
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    out = write_arch_folder("qwen2.5-7b", tmp_path / "q7", tokenizer_from=tmp_path / "tok")
+    cfg = AutoConfig.from_pretrained(out)
+    shape = (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size)
+    assert shape == ("qwen2", 3584, 28, 152064)
+    assert not cfg.tie_word_embeddings and AutoTokenizer.from_pretrained(out) is not None
+    assert not list(out.glob("*.safetensors"))
+    assert {"qwen2.5-0.5b", "qwen2.5-14b", "smollm2-1.7b"} <= set(ARCHS)
+    with pytest.raises(ValueError, match="unknown architecture"):
+        arch_folder("arch:gpt-5")
+
+
+def test_random_init_keeps_tied_embeddings_tied(tmp_path):
+    from tiny import save_tiny_model
+
+    from loca.models import load_model
+
+    save_tiny_model(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    model, _ = load_model(str(tmp_path / "m"), device="cpu", random_init=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(bool(p.isfinite().all()) for p in model.parameters())

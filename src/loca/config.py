@@ -205,7 +205,8 @@ class ModelConfig:
 
     model: str = option(
         DEFAULT_MODEL,
-        "local folder, hub id, or offline alias (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct)",
+        "local folder, hub id, offline alias (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct), "
+        "or arch:NAME, a published architecture with random weights (arch:qwen2.5-7b, see loca.archs)",
     )
     device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda if available)")
     dtype: str = option("float32", "backbone dtype (adapters and statistics stay float32/float64)",

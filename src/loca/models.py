@@ -158,6 +158,7 @@ def fingerprint(parts: ModelParts) -> dict:
     }
 
 
+ARCH_PREFIX = "arch:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -202,7 +203,8 @@ def load_model(
     name: str, device: str | None = None, dtype: str = "float32", random_init: bool = False, seed: int = 0,
     trust_remote_code: bool = False, device_map: str | None = None,
 ):  # fmt: skip
-    """Load ``(model, tokenizer)`` from a local folder, a built-in offline alias or a hub id.
+    """Load ``(model, tokenizer)`` from a local folder, a built-in offline alias, a hub id, or
+``arch:NAME`` (a published architecture with random weights, :mod:`loca.archs`).
 
     With ``random_init`` only the config and tokenizer are read and the weights are drawn at
     random (seeded): for time and memory measurements of an architecture, which do not depend on
@@ -223,6 +225,10 @@ def load_model(
     path: str | Path = name
     if name in ALIASES:
         path = ensure_alias(name)
+    elif name.startswith(ARCH_PREFIX):  # a published architecture without weights
+        from .archs import arch_folder
+
+        path, random_init = arch_folder(name), True
     try:
         remote = {"trust_remote_code": trust_remote_code}
         tokenizer = AutoTokenizer.from_pretrained(path, **remote)
@@ -232,6 +238,7 @@ def load_model(
             config = AutoConfig.from_pretrained(path, **remote)
             with no_init_weights():  # allocation only: the weights are drawn where they will live
                 model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], **remote)
+            model.tie_weights()  # skipped under no_init_weights
             model = _dispatch(model, device_map) if device_map else model.to(target)
             _draw_weights(model, seed, getattr(config, "initializer_range", 0.02))
         else:

@@ -1,19 +1,18 @@
-"""Write a model folder of a known architecture (config only, no weights) for time and memory runs
-with ``--random-init``: the config of a published model and the SmolLM2 alias's tokenizer (the
-token ids it produces are valid in any of these vocabularies; text lengths are SmolLM2's).
+"""Published architectures without their weights, for time and memory runs: ``--model
+arch:qwen2.5-7b`` is the Qwen2.5-7B config with random weights (``--random-init`` implied) and the
+SmolLM2 alias's tokenizer (its token ids are valid in every one of these vocabularies; text
+lengths are SmolLM2's). Nothing is downloaded but the SmolLM2 alias (93 MB, once).
 
-    python scripts/arch_folder.py qwen2.5-7b runs/arch/qwen2.5-7b
-    loca bench --model runs/arch/qwen2.5-7b --random-init --dtype bfloat16 ...
+    loca bench --model arch:qwen2.5-7b --dtype bfloat16 --task boolq ...
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
-from loca.zoo import ensure_alias
+from .zoo import ensure_alias, loca_home
 
 QWEN = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
             rope_theta=1e6, max_position_embeddings=32768, attention_dropout=0.0, use_sliding_window=False)
@@ -53,8 +52,13 @@ def write_arch_folder(name: str, out: Path, tokenizer_from: Path | None = None) 
     return out
 
 
-if __name__ == "__main__":
-    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ARCHS:
-        sys.exit(f"usage: arch_folder.py {{{','.join(ARCHS)}}} OUT [TOKENIZER_FOLDER]")
-    tokenizer = Path(sys.argv[3]) if len(sys.argv) == 4 else None
-    print(write_arch_folder(sys.argv[1], Path(sys.argv[2]), tokenizer))
+def arch_folder(model: str) -> Path:
+    """The folder for ``arch:NAME`` under ``$LOCA_HOME/archs`` (written once)."""
+    name = model.removeprefix("arch:")
+    if name not in ARCHS:
+        raise ValueError(f"unknown architecture {name!r}; choose from {', '.join(ARCHS)}")
+    out = loca_home() / "archs" / name
+    if not (out / "config.json").is_file():
+        write_arch_folder(name, out)
+    return out
+
