@@ -2,6 +2,7 @@
 each other's allocations, and every phase (the baselines included) runs on a tiny model."""
 
 import json
+import time
 
 import torch
 from tiny import SENTIMENT_TEMPLATE, save_model_and_task
@@ -15,8 +16,9 @@ MB = 2**20
 def test_a_known_allocation_shows_and_phases_are_isolated():
     held = []
 
-    def big():  # 64 MB, touched, alive for the whole phase
+    def big():  # 64 MB, touched, held for 50 ms (the sampler looks every 5 ms)
         x = torch.ones(64 * MB // 4)
+        time.sleep(0.05)
         held.append(float(x.sum()))
 
     def small():
