@@ -139,11 +139,9 @@ def run_compare(
     settings: CompareSettings,
     configs: MethodConfigs,
     *,
-    model: str,
+    model: ModelConfig,
     out: str | Path,
     data_dir: str | None = None,
-    device: str | None = None,
-    dtype: str = "float32",
     log: Callable[[str], None] = print,
 ) -> dict:
     """Run (or reuse) every cell, then write ``results.json``, ``results.csv``, ``table.md`` and
@@ -152,16 +150,20 @@ def run_compare(
     store = CellStore(out)
     start = time.perf_counter()
     tasks = [get_task(t) for t in settings.tasks]
-    model_obj, tokenizer = load_model(model, device=distributed.local_device(device or "auto"), dtype=dtype)
+    model_obj, tokenizer = load_model(
+        model.model, device=distributed.local_device(model.device), dtype=model.dtype,
+        random_init=model.random_init, trust_remote_code=model.trust_remote_code, device_map=model.device_map,
+    )  # fmt: skip
     parts = find_parts(model_obj)
     max_length, note = clamp_max_length(configs.loca.max_length, model_obj)
     if note:
         log(f"warning: {note}")
         configs = replace(configs, loca=replace(configs.loca, max_length=max_length))
     base = {
-        "model": model,
+        "model": model.model,
         "fingerprint": fingerprint(parts),
-        "dtype": dtype,
+        "dtype": model.dtype,
+        **({"device_map": model.device_map} if model.device_map else {}),
         "device_type": parts.device.type,
         "versions": versions(),
         "sizes": {"n_train": settings.n_train, "n_heldout": settings.n_heldout, "n_test": settings.n_test,
@@ -174,7 +176,7 @@ def run_compare(
         log = _silent
     if main:
         atomic_write_json(out / "config.json", {
-            "command": "compare", "model": model, "data_dir": data_dir, "device": str(parts.device),
+            "command": "compare", "model": model.to_dict(), "data_dir": data_dir, "device": str(parts.device),
             "settings": asdict(settings), "loca": configs.loca.to_dict(), "lora": configs.lora.to_dict(),
             "adapter_mezo": configs.adapter_mezo.to_dict(), "mezo": configs.mezo.to_dict(), **base,
             "world_size": distributed.world_size(),
@@ -183,7 +185,7 @@ def run_compare(
     for task in tasks:
         for seed in settings.seeds:
             pipeline = Pipeline(
-                ModelConfig(model, device=device or "auto", dtype=dtype),
+                model,
                 DataConfig(task.name, data_dir=data_dir, n_train=settings.n_train,
                            n_heldout=settings.n_heldout, n_test=settings.n_test),
                 replace(configs.loca, seed=seed), progress=False, model_object=model_obj,

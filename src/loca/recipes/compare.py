@@ -24,14 +24,15 @@ from ..baselines.mezo import MezoSettings
 from ..compare import CompareSettings, MethodConfigs, run_compare
 from ..compare.report import write_report
 from ..compare.store import CellStore
-from ..config import DEFAULT_MODEL
 from ..runs import prepare_run_dir, run_command
 from .common import (
     add_config_args,
     add_dataclass_args,
+    add_model_args,
     add_output_args,
     config_from_args,
     dataclass_from_args,
+    model_config_from_args,
     resolve_data_dir,
 )
 
@@ -41,10 +42,7 @@ _MEZO_SKIP = ("seed", "time_budget_s", "rank")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="local folder, hub id, or offline alias")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if available)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_model_args(p)
     p.add_argument("--data-dir", default=None,
                    help="folder of task folders (default: $LOCA_DATA_DIR, else the HF hub)")
     p.add_argument("--out", required=True, help="comparison folder (resumable)")
@@ -69,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote the report of {len(cells)} cells to {args.out}")
         return 0
     settings = dataclass_from_args(CompareSettings, args)
+    model = model_config_from_args(args)
     if distributed.is_main():
-        prepare_run_dir(args.out, "compare", model=args.model, resumable=True)
+        prepare_run_dir(args.out, "compare", model=model.model, resumable=True)
     distributed.barrier()
     configs = MethodConfigs(
         loca=config_from_args(args),
@@ -79,8 +78,7 @@ def run(args: argparse.Namespace) -> int:
         mezo=dataclass_from_args(MezoSettings, args, "full-mezo"),
     )
     report = run_compare(
-        settings, configs, model=args.model, out=args.out, data_dir=resolve_data_dir(args.data_dir),
-        device=args.device, dtype=args.dtype,
+        settings, configs, model=model, out=args.out, data_dir=resolve_data_dir(args.data_dir),
     )  # fmt: skip
     if not distributed.is_main():
         return 0
