@@ -145,3 +145,47 @@ def test_checkpointed_probe_gives_the_same_gradients_and_recomputes_each_block()
     with checkpointed(parts.blocks):
         assert all("forward" in b.__dict__ for b in parts.blocks)
     assert all("forward" not in b.__dict__ for b in parts.blocks)
+
+
+def test_a_memory_budget_bounds_the_probe_micro_batches(monkeypatch):
+    """``probe_memory_mb``: a trial step on the longest sequence gives the memory per token; the
+    micro-batches then hold at most the tokens that fit, and the rows are the same."""
+    import importlib
+
+    import loca.bench
+
+    cal = importlib.import_module("loca.calibrate")
+    from loca.calibrate import probe_token_budget
+
+    class FakePeak:  # 0.5 MB per trial: the longest sequence costs 0.5 MB
+        def __init__(self, device):
+            self.peak_mb = 0.5
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    _, parts = tiny_llama()
+    items = sequences(20)
+    longest = max(len(it.ids) for it in items)
+    monkeypatch.setattr(loca.bench, "PeakMemory", FakePeak)
+    assert probe_token_budget(parts, items, 0, True, memory_mb=2.0) == 4 * longest
+    assert probe_token_budget(parts, items, 0, True, memory_mb=0.1) == longest  # never below one sequence
+    seen = []
+    real = cal.make_batches
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(cal, "make_batches", spy)
+    plain = probe_gradients(parts, items, probe_micro_batch=16, pad_id=0)
+    budget = probe_gradients(parts, items, probe_micro_batch=16, pad_id=0, memory_mb=1.0)
+    widest = [max(b.input_ids.numel() for b in batches) for batches in (seen[0], seen[-1])]
+    assert widest[1] <= 2 * longest < widest[0]
+    torch.testing.assert_close(budget[0], plain[0], rtol=1e-12, atol=1e-12)  # the same rows, in order
+    for a, b in zip(budget[1], plain[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

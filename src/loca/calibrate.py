@@ -125,7 +125,7 @@ def checkpointed(blocks) -> Iterator[None]:
 
 def probe_gradients(
     parts: ModelParts, items: Sequence[Encoded], probe_micro_batch: int, pad_id: int,
-    progress: bool = False, recompute: bool = False,
+    progress: bool = False, recompute: bool = False, memory_mb: float = 0.0,
 ) -> tuple[Tensor, list[Tensor]]:
     """Head errors E (N×d) and true block-output gradients G_l (N×d) at every predict position.
 
@@ -134,35 +134,21 @@ def probe_gradients(
     parameter gradient is computed or stored (the backward runs to the input embeddings only,
     whatever the parameters' ``requires_grad``: a model loaded elsewhere keeps ``.grad`` None).
     Peak memory is that of one micro-batch's forward+backward; with ``recompute`` (see
-    :func:`checkpointed`) only the block boundaries and one block's internals are kept.
+    :func:`checkpointed`) only the block boundaries and one block's internals are kept. With
+    ``memory_mb`` > 0 a micro-batch also holds at most the padded tokens that fit that budget,
+    from the peak of a trial step on the longest sequence (:func:`probe_token_budget`). Rows come
+    in the same order whatever the micro-batches (sequences sorted by length).
     """
     errors: list[Tensor] = []
     grads: list[list[Tensor]] = [[] for _ in parts.blocks]
-    embed = parts.model.get_input_embeddings()
-    batches = make_batches(items, pad_id, batch_size=probe_micro_batch)
+    max_tokens = probe_token_budget(parts, items, pad_id, recompute, memory_mb) if memory_mb > 0 else None
+    batches = make_batches(items, pad_id, batch_size=probe_micro_batch, max_tokens=max_tokens)
     mine = distributed.owned(len(batches))  # data-parallel: this rank's micro-batches
     shown = tqdm(mine, desc="calibrate", unit="micro-batch", leave=False,
                  disable=not progress or not distributed.is_main())  # fmt: skip
     for index in shown:
-        b = batches[index].to(parts.device)
-        captured: dict[int, Tensor] = {}
-        make_hook = partial(_grad_capture_hook, captured, b.pos_b, b.pos_t)
-        handles = [blk.register_forward_hook(make_hook(i)) for i, blk in enumerate(parts.blocks)]
-        try:
-            with torch.enable_grad(), checkpointed(parts.blocks) if recompute else nullcontext():
-                embeds = embed(b.input_ids).detach().requires_grad_(True)
-                hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t, inputs_embeds=embeds)
-                with torch.no_grad():
-                    _, e = head_loss_and_error(
-                        hn.detach(), parts.head.weight, parts.head.bias, b.targets, parts.transform
-                    )
-                hn.backward(e.to(hn.dtype), inputs=[embeds])
-        finally:
-            for h in handles:
-                h.remove()
-        if len(captured) != parts.num_blocks:
-            raise RuntimeError(f"captured gradients for {len(captured)} of {parts.num_blocks} blocks")
-        errors.append(e.float())
+        e, captured = _probe_step(parts, batches[index], recompute)
+        errors.append(e)
         for i in range(parts.num_blocks):  # with the head error: the ridge fits pair them
             grads[i].append(captured[i].to(e.device))
     if distributed.active():  # every rank gets every row, in the one-process order
@@ -175,6 +161,47 @@ def probe_gradients(
         errors = [e.to(device) for e, _ in ordered]
         grads = [[gs[l].to(device) for _, gs in ordered] for l in range(parts.num_blocks)]
     return torch.cat(errors), [torch.cat(g) for g in grads]
+
+
+def _probe_step(parts: ModelParts, batch, recompute: bool) -> tuple[Tensor, dict[int, Tensor]]:
+    """One micro-batch's head errors and block-output gradients at its predict positions."""
+    b = batch.to(parts.device)
+    embed = parts.model.get_input_embeddings()
+    captured: dict[int, Tensor] = {}
+    make_hook = partial(_grad_capture_hook, captured, b.pos_b, b.pos_t)
+    handles = [blk.register_forward_hook(make_hook(i)) for i, blk in enumerate(parts.blocks)]
+    try:
+        with torch.enable_grad(), checkpointed(parts.blocks) if recompute else nullcontext():
+            embeds = embed(b.input_ids).detach().requires_grad_(True)
+            hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t, inputs_embeds=embeds)
+            with torch.no_grad():
+                _, e = head_loss_and_error(hn.detach(), parts.head.weight, parts.head.bias, b.targets,
+                                           parts.transform)  # fmt: skip
+            hn.backward(e.to(hn.dtype), inputs=[embeds])
+    finally:
+        for h in handles:
+            h.remove()
+    if len(captured) != parts.num_blocks:
+        raise RuntimeError(f"captured gradients for {len(captured)} of {parts.num_blocks} blocks")
+    return e.float(), captured
+
+
+def probe_token_budget(parts: ModelParts, items: Sequence[Encoded], pad_id: int, recompute: bool,
+                       memory_mb: float) -> int | None:  # fmt: skip
+    """The padded tokens a probe micro-batch may hold within ``memory_mb``: one trial step on the
+    longest sequence measures the peak per token (GPU: allocated memory; CPU: sampled RSS), and
+    the budget is scaled from it, never below that one sequence. None when the trial shows no
+    measurable growth (everything fits)."""
+    from .bench import PeakMemory
+
+    longest = max(items, key=lambda it: len(it.ids))
+    trial = make_batches([longest], pad_id, batch_size=1)[0]
+    with PeakMemory(parts.device) as mem:
+        _probe_step(parts, trial, recompute)
+    tokens = len(longest.ids)
+    if not mem.peak_mb > 0:
+        return None
+    return max(tokens, int(memory_mb / (mem.peak_mb / tokens)))
 
 
 def _pooled(pool: list[tuple[Tensor, list[Tensor]]]) -> tuple[Tensor, list[Tensor]]:
@@ -220,6 +247,7 @@ def calibrate(
     beta_rel: float = _DEFAULTS.beta_rel,
     probe_micro_batch: int = _DEFAULTS.probe_micro_batch,
     probe_checkpoint: bool = _DEFAULTS.probe_checkpoint,
+    probe_memory_mb: float = _DEFAULTS.probe_memory_mb,
     pad_id: int = 0,
     seed: int = 0,
     pool: list[tuple[Tensor, list[Tensor]]] | None = None,
@@ -239,7 +267,8 @@ def calibrate(
     was_training = parts.model.training
     parts.model.eval()
     try:
-        errors, grads = probe_gradients(parts, probe, probe_micro_batch, pad_id, progress, probe_checkpoint)
+        errors, grads = probe_gradients(parts, probe, probe_micro_batch, pad_id, progress, probe_checkpoint,
+                                        probe_memory_mb)  # fmt: skip
         if pool is None:
             factors = feedback_factors(errors, grads, beta_rel, feedback_rank)
         else:
@@ -256,8 +285,10 @@ def calibrate(
             ],
         }
         if heldout_probe:
-            h_err, h_grads = probe_gradients(parts, heldout_probe, probe_micro_batch, pad_id,
-                                             recompute=probe_checkpoint)  # fmt: skip
+            h_err, h_grads = probe_gradients(
+                parts, heldout_probe, probe_micro_batch, pad_id, recompute=probe_checkpoint,
+                memory_mb=probe_memory_mb,
+            )  # fmt: skip
             diag["heldout"] = [alignment(f, h_err, g) for f, g in zip(factors, h_grads, strict=True)]
     finally:
         parts.model.train(was_training)
@@ -336,7 +367,7 @@ class Calibrator:
         return calibrate(
             self.parts, self.probe, self.heldout_probe, feedback_rank=cfg.feedback_rank,
             beta_rel=cfg.beta_rel, probe_micro_batch=cfg.probe_micro_batch,
-            probe_checkpoint=cfg.probe_checkpoint, pad_id=self.pad_id,
+            probe_checkpoint=cfg.probe_checkpoint, probe_memory_mb=cfg.probe_memory_mb, pad_id=self.pad_id,
             seed=cfg.seed, pool=pool, progress=self.progress,
         )  # fmt: skip
 
@@ -350,7 +381,7 @@ class Calibrator:
         try:
             err, grads = probe_gradients(
                 self.parts, self.heldout_probe, self.cfg.probe_micro_batch, self.pad_id,
-                recompute=self.cfg.probe_checkpoint,
+                recompute=self.cfg.probe_checkpoint, memory_mb=self.cfg.probe_memory_mb,
             )
         finally:
             self.parts.model.train(was_training)

@@ -118,6 +118,13 @@ class LocaConfig:
         "probe's peak memory is then the block boundaries plus one block; the same maps)",
         section="calibration",
     )
+    probe_memory_mb: float = option(
+        0.0,
+        "memory budget of one probe micro-batch in MB: micro-batches then also hold at most the "
+        "padded tokens that fit it, measured by a trial step on the longest sequence (0 = off: "
+        "probe_micro_batch sequences only)",
+        section="calibration",
+    )
     probe_micro_batch: int = option(
         8, "sequences per probe micro-batch (bounds the probe's peak memory)", section="calibration"
     )
@@ -154,6 +161,7 @@ class LocaConfig:
             "groups": self.groups >= 1,
             "probe_positions": self.probe_positions >= 1,
             "probe_micro_batch": self.probe_micro_batch >= 1,
+            "probe_memory_mb": self.probe_memory_mb >= 0 and ok(self.probe_memory_mb),
             "batch_size": self.batch_size >= 1,
             "max_length": self.max_length >= 2,
         }
