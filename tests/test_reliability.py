@@ -374,3 +374,28 @@ def test_a_single_test_example_has_undefined_standard_errors_not_an_error(setup,
     assert main(argv) == 0
     results = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert results["acc_stderr"] is None and results["test_ce"] > 0
+
+
+def test_a_failed_evaluation_leaves_the_model_without_adapters(tmp_path, monkeypatch):
+    """Pipeline.run: if the test evaluation fails (here: refused metrics), the fitted adapters
+    are detached before the error propagates; the best snapshot stays on disk."""
+    from tiny import save_model_and_task
+
+    import loca.pipeline
+    from loca import DataConfig, LocaConfig, ModelConfig, Pipeline
+
+    root = save_model_and_task(tmp_path, 60)
+
+    def refuse(metrics, what):
+        raise ValueError(f"{what}: refused")
+
+    monkeypatch.setattr(loca.pipeline, "require_finite", refuse)
+    pipe = Pipeline(ModelConfig(str(root / "model"), device="cpu"),
+                    DataConfig(str(root / "task.jsonl"), template=SENTIMENT_TEMPLATE, n_train=16, n_heldout=8,
+                               n_test=6),
+                    LocaConfig(rank=4, feedback_rank=4, max_iters=2), progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="refused"):
+        pipe.run(tmp_path / "run")
+    assert getattr(pipe.model, "_loca_adapters", None) is None
+    assert (tmp_path / "run" / "adapter" / "loca_adapter.json").is_file()
+    assert not (tmp_path / "run" / "results.json").exists()

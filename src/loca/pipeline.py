@@ -306,6 +306,22 @@ class Pipeline:
             log.info("LoCA: no candidate beat the frozen model on held-out CE; returning the frozen "
                      "model (B = 0)")  # fmt: skip
 
+        try:  # the adapters come off again whatever happens
+            results = self._results(result, align, start)
+            if write:
+                metrics = {k: results[k] for k in ("frozen", "loca")}
+                result.adapters.save_pretrained(out / "adapter", extra={
+                    **extra, "selection": _selected_row(result), "metrics": metrics})  # fmt: skip
+                atomic_write_json(out / "results.json", results)
+                shutil.rmtree(out / "checkpoint", ignore_errors=True)
+        finally:
+            result.adapters.detach()
+        self.result = result
+        return results
+
+    def _results(self, result: FitResult, align: dict, start: float) -> dict:
+        """Test metrics of LoCA (adapters attached) and of the frozen model, and the selection;
+        non-finite metrics are refused."""
         loca_test = self.evaluate()
         with result.adapters.disable_adapter():
             frozen_test = self.evaluate()
@@ -330,14 +346,6 @@ class Pipeline:
         }
         for name in ("frozen", "loca"):
             require_finite(results[name], f"the {name} model's evaluation")
-        if write:
-            metrics = {k: results[k] for k in ("frozen", "loca")}
-            result.adapters.save_pretrained(out / "adapter", extra={
-                **extra, "selection": _selected_row(result), "metrics": metrics})  # fmt: skip
-            atomic_write_json(out / "results.json", results)
-            shutil.rmtree(out / "checkpoint", ignore_errors=True)
-        result.adapters.detach()
-        self.result = result
         return results
 
     def _prepare_resume(self, out: Path | None) -> str | None:
