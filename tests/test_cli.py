@@ -1,10 +1,15 @@
 """The `loca` command end to end on a tiny saved model, tokenizer and JSON Lines task."""
 
 import json
-import random
 
 import pytest
-from tiny import SENTIMENT_TEMPLATE, save_tiny_model, tiny_model, tiny_tokenizer, write_sentiment_task
+from tiny import (
+    SENTIMENT_TEMPLATE,
+    save_model_and_task,
+    tiny_cli_args,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 from loca.cli import main
 
@@ -13,11 +18,8 @@ TEMPLATE = SENTIMENT_TEMPLATE
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    save_tiny_model(root / "model")
-    write_sentiment_task(root / "task.jsonl", 60, random.Random(0))
-    common = ["--model", str(root / "model"), "--task", str(root / "task.jsonl"), "--template", TEMPLATE]
-    common += ["--device", "cpu", "--rank", "4", "--feedback-rank", "4"]
+    root = save_model_and_task(tmp_path_factory.mktemp("cli"), 60)
+    common = tiny_cli_args(root)
     return root, common
 
 

@@ -3,11 +3,16 @@ non-finite metrics and one-line errors."""
 
 import json
 import os
-import random
 
 import pytest
 import torch
-from tiny import SENTIMENT_TEMPLATE, save_tiny_model, tiny_model, tiny_tokenizer, write_sentiment_task
+from tiny import (
+    SENTIMENT_TEMPLATE,
+    save_model_and_task,
+    tiny_cli_args,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 import loca.io as io_mod
 from loca.cli import main
@@ -19,11 +24,8 @@ TEMPLATE = SENTIMENT_TEMPLATE
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reliability")
-    save_tiny_model(root / "model")
-    write_sentiment_task(root / "task.jsonl", 40, random.Random(1))
-    common = ["--model", str(root / "model"), "--task", str(root / "task.jsonl"), "--template", TEMPLATE,
-              "--device", "cpu", "--rank", "4", "--feedback-rank", "4"]  # fmt: skip
+    root = save_model_and_task(tmp_path_factory.mktemp("reliability"), 40, seed=1)
+    common = tiny_cli_args(root)
     return root, common
 
 

@@ -76,8 +76,15 @@ def write_sentiment_task(path: Path, n: int, rng: random.Random, id_prefix: str 
     return path
 
 
-def save_model_and_task(root: Path, n: int) -> Path:
-    """``root/model`` (:func:`save_tiny_model`) and ``root/task.jsonl`` with ``n`` rows, seed 0."""
+def save_model_and_task(root: Path, n: int, seed: int = 0) -> Path:
+    """``root/model`` (:func:`save_tiny_model`) and ``root/task.jsonl`` with ``n`` rows."""
     save_tiny_model(root / "model")
-    write_sentiment_task(root / "task.jsonl", n, random.Random(0))
+    write_sentiment_task(root / "task.jsonl", n, random.Random(seed))
     return root
+
+
+def tiny_cli_args(root: Path) -> list[str]:
+    """The ``loca`` flags that point at :func:`save_model_and_task`'s folder, on the CPU, r = k = 4."""
+    return ["--model", str(root / "model"), "--task", str(root / "task.jsonl"),
+            "--template", SENTIMENT_TEMPLATE, "--device", "cpu",
+            "--rank", "4", "--feedback-rank", "4"]  # fmt: skip

@@ -33,9 +33,9 @@ PASSES = {"forward": 1, "backbone": 1, "stage2": 1, "lora": 1, "adapter-mezo": 2
 def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[str, Callable[[], object]]:
     """One callable per phase in ``names``, each leaving the model as it found it."""
     parts, model, cfg = pipeline.parts, pipeline.model, pipeline.cfg
-    train_items, heldout_items = pipeline.encoded()
-    batches = [b.to(parts.device) for b in pipeline.batches(train_items)]
-    heldout = pipeline.batches(heldout_items)
+    train_items = pipeline.encoded()[0]
+    train, heldout = pipeline.batched()
+    batches = [b.to(parts.device) for b in train]
 
     def calibrate():  # Stage I on the training items (no held-out alignment diagnostic)
         return Calibrator(parts, train_items, [], cfg, pipeline.pad_id).calibrate()

@@ -69,6 +69,8 @@ class Pipeline:
         self._splits: Splits | None = None
         self._model = None
         self._encoded: tuple[list[Encoded], list[Encoded]] | None = None
+        self._truncated: dict[str, int] = {}
+        self._batched: tuple[list[Batch], list[Batch]] | None = None
         self._calibrator: Calibrator | None = None
         if model_object is not None:
             if tokenizer is None:
@@ -157,11 +159,17 @@ class Pipeline:
         return make_batches(items, self.pad_id, batch_size=self.cfg.batch_size)
 
     def encoded(self) -> tuple[list[Encoded], list[Encoded]]:
-        """The training and held-out sequences (encoded once; truncated prompts warned about)."""
+        """The training and held-out sequences (encoded once; truncated prompts counted and warned
+        about)."""
         if self._encoded is None:
             s = self.splits
             self._encoded = (self.encode(s.train), self.encode(s.heldout))
-            for name, n in self.truncated().items():
+            self._truncated = {
+                name: count_truncated(self.tokenizer, self.task, examples, items)
+                for name, examples, items in (("train", s.train, self._encoded[0]),
+                                              ("heldout", s.heldout, self._encoded[1]))
+            }  # fmt: skip
+            for name, n in self._truncated.items():
                 if n:
                     total = len(s.train if name == "train" else s.heldout)
                     log.warning(f"{n} of {total} {name} prompts were cut from the left to fit --max-length "
@@ -170,11 +178,14 @@ class Pipeline:
 
     def truncated(self) -> dict[str, int]:
         """How many training and held-out prompts were cut from the left."""
-        train, heldout = self.encoded()
-        return {
-            "train": count_truncated(self.tokenizer, self.task, self.splits.train, train),
-            "heldout": count_truncated(self.tokenizer, self.task, self.splits.heldout, heldout),
-        }
+        self.encoded()
+        return dict(self._truncated)
+
+    def batched(self) -> tuple[list[Batch], list[Batch]]:
+        """The training and held-out batches (built once)."""
+        if self._batched is None:
+            self._batched = tuple(self.batches(items) for items in self.encoded())
+        return self._batched
 
     # -- Stage I ------------------------------------------------------------------------------
     @property
@@ -209,10 +220,10 @@ class Pipeline:
         """Stage II on the run's batches (see :func:`loca.fit.fit` for ``callbacks``: on_iteration,
         on_improve, on_checkpoint, resume). A forward-only fit (no re-calibration, no alignment
         diagnostic) runs with autograd disabled."""
-        train, heldout = self.encoded()
+        train, heldout = self.batched()
         forward_only = not (self.cfg.recalibrate_every or self.cfg.alignment_every)
         with torch.no_grad() if forward_only else nullcontext():
-            return fit(self.parts, maps, self.batches(train), self.batches(heldout), self.cfg,
+            return fit(self.parts, maps, train, heldout, self.cfg,
                        calibrator=None if forward_only else self.calibrator, progress=self.progress,
                        **callbacks)  # fmt: skip
 
@@ -325,7 +336,7 @@ class Pipeline:
         loca_test = self.evaluate()
         with result.adapters.disable_adapter():
             frozen_test = self.evaluate()
-        train, heldout = (self.batches(x) for x in self.encoded())
+        train, heldout = self.batched()
         results = {
             "task": self.task.name,
             "model": self.model_config.model,

@@ -271,8 +271,8 @@ def _prepare(pipeline: Pipeline, s: CompareSettings) -> CellData:
     train_items, heldout_items = pipeline.encoded()
     return CellData(
         parts=pipeline.parts, tokenizer=pipeline.tokenizer, task=pipeline.task, splits=pipeline.splits,
-        train_items=train_items, heldout_items=heldout_items, train=pipeline.batches(train_items),
-        heldout=pipeline.batches(heldout_items),
+        train_items=train_items, heldout_items=heldout_items, train=pipeline.batched()[0],
+        heldout=pipeline.batched()[1],
         minibatches=make_batches(train_items, pipeline.pad_id, s.train_batch_size), pad_id=pipeline.pad_id,
         seed=pipeline.cfg.seed, pipeline=pipeline,
     )  # fmt: skip

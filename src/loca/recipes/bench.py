@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     distributed.barrier()
     parts, task, cfg = run.parts, run.task, run.cfg
     items = run.encoded()[0]
-    batches = run.batches(items)
+    batches = run.batched()[0]
     dev = parts.device
     fns = build_phases(run, phases, full_run_iters=args.full_run_iters)
     results = measure_phases(fns, dev, repeats=args.repeats)

@@ -148,7 +148,12 @@ def read_config_file(path: str) -> dict:
 
 
 def _file_sections(args: argparse.Namespace) -> dict:
-    return read_config_file(args.config) if getattr(args, "config", None) else {}
+    """``--config FILE``'s sections, read once per command line."""
+    if not getattr(args, "config", None):
+        return {}
+    if getattr(args, "_config_sections", None) is None:
+        args._config_sections = read_config_file(args.config)
+    return args._config_sections
 
 
 def config_from_args(args: argparse.Namespace) -> LocaConfig:

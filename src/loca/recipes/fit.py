@@ -18,7 +18,7 @@ import argparse
 from dataclasses import fields
 
 from .. import distributed
-from ..config import LocaConfig
+from ..config import DataConfig, LocaConfig, ModelConfig
 from ..pipeline import Pipeline
 from .common import (
     add_config_args,
@@ -52,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # flags that --resume refuses: the run's own config.json gives every setting
-_SETTINGS = ("model", "device", "dtype", "trust_remote_code", "random_init", "task", "template", "data_dir",
-             "n_train", "n_heldout", "n_test", "maps", "config", "preset", "overwrite")  # fmt: skip
+_SETTINGS = (*(f.name for f in fields(ModelConfig)), *(f.name for f in fields(DataConfig)),
+             "maps", "config", "preset", "overwrite")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
