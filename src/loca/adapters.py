@@ -76,17 +76,37 @@ def principal_a(parts: ModelParts, batches, rank: int, seed: int = 0, oversample
 
 
 class Recorder:
-    """Collects, during one forward pass, at the predict positions only: the adapter codes
-    ``p = A h_{l-1}`` (N×r) and the norm ``||h_{l-1}||_F`` of each recorded block's input."""
+    """Collects, during one forward pass, each recorded block's input rows ``h_{l-1}`` at the
+    predict positions (N×d, the hidden dtype): one gather per block and nothing else, so a GPU
+    pass adds one kernel launch per block for recording. :meth:`codes_and_norms` turns the rows of
+    all blocks into the adapter codes ``p = A h_{l-1}`` and the input norms in a few batched
+    kernels after the pass."""
 
-    def __init__(self, pos_b: Tensor, pos_t: Tensor, blocks: set[int] | None = None):
-        self.pos_b, self.pos_t = pos_b, pos_t
+    def __init__(self, pos_b: Tensor, pos_t: Tensor, width: int, blocks: set[int] | None = None):
+        """``width``: the batch's padded length T (flat index ``b·T + t`` of a position)."""
+        self.flat = pos_b * width + pos_t
         self.blocks = blocks
-        self.codes: dict[int, Tensor] = {}  # l -> p (N×r), float32
-        self.input_norms: dict[int, Tensor] = {}  # l -> ||h_{l-1}||_F over predict positions
+        self.rows: dict[int, Tensor] = {}  # l -> h_{l-1} at the predict positions (N×d)
 
     def wants(self, layer: int) -> bool:
         return self.blocks is None or layer in self.blocks
+
+    def record(self, layer: int, h_in: Tensor) -> None:
+        flat = self.flat if self.flat.device == h_in.device else self.flat.to(h_in.device)
+        self.rows[layer] = h_in.reshape(-1, h_in.shape[-1]).index_select(0, flat)
+
+    def codes_and_norms(self, layers: list[int], a: Tensor, budget_mb: float = 64.0) -> tuple[Tensor, Tensor]:
+        """``(p, ||h||²)`` for ``layers`` (all on ``a``'s device): codes L×N×r (float32) with
+        ``a`` the stacked A (L×r×d, float32), and the squared Frobenius norm of each block's rows
+        (L). Blocks are taken in groups whose float32 rows fit ``budget_mb``."""
+        n, d = self.rows[layers[0]].shape
+        step = max(1, int(budget_mb * 2**20 // max(1, n * d * 4)))
+        codes, norms = [], []
+        for i in range(0, len(layers), step):
+            h = torch.stack([self.rows[l] for l in layers[i : i + step]]).float()  # G × N × d
+            codes.append(h @ a[i : i + step].mT)
+            norms.append(torch.linalg.vector_norm(h, dim=(-2, -1)).square())
+        return torch.cat(codes), torch.cat(norms)
 
 
 class ResidualAdapters:
@@ -191,13 +211,12 @@ class ResidualAdapters:
         def hook(module, args, kwargs, output):
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = output[0] if isinstance(output, tuple) else output
-            h_in = h_in.to(h_out.device)  # spread over GPUs, a hook may see the previous block's
+            if h_in.device != h_out.device:  # spread over GPUs, a hook may see the previous block's
+                h_in = h_in.to(h_out.device)
             rec = self._recorder
-            active, a, b = self._b_state(layer, h_in.dtype)
             if rec is not None and rec.wants(layer):
-                rows = at_positions(h_in, rec.pos_b, rec.pos_t).float()
-                rec.codes[layer] = rows @ self.A[layer].T
-                rec.input_norms[layer] = torch.linalg.vector_norm(rows)
+                rec.record(layer, h_in)
+            active, a, b = self._b_state(layer, h_in.dtype)
             if not active:
                 return None
             # A and B are stored in float32; the full-sequence correction runs in the hidden
@@ -220,8 +239,9 @@ class ResidualAdapters:
         for i, b in enumerate(bs):
             if b.shape != self.B[i].shape:
                 raise ValueError(f"B[{i}] has shape {tuple(b.shape)}, expected {tuple(self.B[i].shape)}")
-            self.B[i] = b.to(self.devices[i], torch.float32).clone()
-        self._mark_zero()
+        zero = [not b.any() for b in bs]  # on the given tensors (usually on the CPU): no GPU sync
+        self.B[:] = [b.to(dev, torch.float32, copy=True) for b, dev in zip(bs, self.devices, strict=True)]
+        self._zero = {i: (b, b._version) for i, b in enumerate(self.B) if zero[i]}
 
     def reset(self) -> None:
         for b in self.B:

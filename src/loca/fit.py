@@ -52,9 +52,10 @@ def collect_statistics(
 ) -> tuple[dict[int, BlockStats], TokenCE]:
     """One forward pass: per-block statistics for ``blocks`` and the training CE before the update.
 
-    The hooks keep only the codes p (N×r) and an input norm per block; the statistics of all
-    blocks on a device are then updated as one stack (a few batched kernels per batch), and
-    nothing is copied to the host inside the loop, so a GPU never waits on Python. Data-parallel:
+    The hooks only gather each block's input rows at the predict positions (one kernel per
+    block); the codes p = A h, the input norms and the statistics of all blocks on a device are
+    then computed as one stack (a few batched kernels per batch), and nothing is copied to the
+    host inside the loop, so a GPU never waits on Python. Data-parallel:
     each rank runs its share of the batches, and the statistics and CE sums are all-reduced once
     (float64) after the pass.
     """
@@ -67,29 +68,30 @@ def collect_statistics(
             BlockStats.zeros(adapters.rank, k, dev, blocks=len(ls)),
             torch.cat([maps.factors[l].v for l in ls], dim=1),  # d × (L·k): all V_k side by side
             torch.stack([maps.sigma(l) for l in ls]),  # L × k
+            torch.stack([adapters.A[l] for l in ls]),  # L × r × d
         )
         for dev, ls in by_device.items()
     }
     losses, eos = [], []
     for batch in distributed.shard(batches):
         b = batch.to(parts.device)
-        with adapters.recording(Recorder(b.pos_b, b.pos_t, set(blocks))) as rec:
+        recorder = Recorder(b.pos_b, b.pos_t, b.input_ids.shape[1], set(blocks))
+        with adapters.recording(recorder) as rec:
             hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
         loss, e = head_loss_and_error(hn, parts.head.weight, parts.head.bias, b.targets, parts.transform)
         losses.append(loss)
         eos.append(b.is_eos)
         for dev, ls in by_device.items():
-            stats, v_all, sigma = stacks[dev]
-            p = torch.stack([rec.codes[l] for l in ls])  # L × N × r
-            h_sumsq = torch.stack([rec.input_norms[l] for l in ls]).square()
-            e_dev = e.to(dev)
+            stats, v_all, sigma, a_all = stacks[dev]
+            p, h_sumsq = rec.codes_and_norms(ls, a_all)  # L × N × r, L
+            e_dev = e if e.device == dev else e.to(dev)
             y = (e_dev @ v_all.to(e_dev.dtype)).view(-1, len(ls), k).transpose(0, 1)  # L × N × k
             stats.add_inputs(p)
             stats.add_targets(p, h_sumsq, y, sigma, normalize=step_scale == "rms")
     ce = TokenCE()
     if losses:
         ce.add(torch.cat(losses), torch.cat(eos))
-    for stats, _, _ in stacks.values():  # data-parallel: one sum over the ranks per pass
+    for stats, *_ in stacks.values():  # data-parallel: one sum over the ranks per pass
         distributed.all_reduce_sum(stats.gram, stats.cross)
         stats.positions = int(distributed.all_reduce_numbers([stats.positions])[0])
     ce = reduce_ce(ce)
@@ -98,6 +100,24 @@ def collect_statistics(
         for i, l in enumerate(ls):
             out[l] = stacks[dev][0][i]
     return out, ce
+
+
+def solve_blocks(
+    adapters: ResidualAdapters, maps: FeedbackMaps, stats: dict[int, BlockStats], blocks: Sequence[int],
+    eta: float, lam_rel: float, center: str,
+) -> None:  # fmt: skip
+    """Replace ``B_l`` of every block in ``blocks`` by its ridge solve: one batched solve per
+    device (:func:`loca.ridge.solve_block` on the stack)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for l in blocks:
+        by_device.setdefault(adapters.devices[l], []).append(l)
+    for ls in by_device.values():
+        gram, cross = (torch.stack([getattr(stats[l], f) for l in ls]) for f in ("gram", "cross"))
+        stack = BlockStats(gram, cross)
+        b = torch.stack([adapters.B[l] for l in ls])
+        us = torch.stack([maps.factors[l].us for l in ls])
+        for l, new in zip(ls, solve_block(b, stack, us, eta, lam_rel, center).unbind(0), strict=True):
+            adapters.B[l] = new
 
 
 def stage2_pass(
@@ -130,10 +150,7 @@ def stage2_pass(
                 first = (stats, ce)
         if gi == 0:
             train_ce = ce.mean
-        for l in blocks:
-            adapters.B[l] = solve_block(
-                adapters.B[l], stats[l], maps.factors[l].us, eta, lam_rel, cfg.ridge_center
-            )
+        solve_blocks(adapters, maps, stats, blocks, eta, lam_rel, cfg.ridge_center)
     return train_ce, first
 
 

@@ -49,7 +49,8 @@ def head_loss_and_error(
         bias: head bias of length V, or None.
         targets: next-token ids, length N.
         vocab_chunk: vocabulary rows per chunk; default: as many as keep an N×chunk float32
-            tensor near 4 MB (1,024 to 65,536), so few chunks (kernel launches) for few rows.
+            tensor near 4 MB on a CPU (cache-sized) and 64 MB on a GPU, at least 1,024: few
+            chunks (kernel launches) for few rows, on a GPU usually the whole vocabulary at once.
     Returns:
         ``(loss, e)``: loss (N,) in nats and e (N×d), or None when ``need_error`` is False.
 
@@ -62,7 +63,8 @@ def head_loss_and_error(
     """
     dtype = torch.promote_types(hn.dtype, torch.float32)
     n = hn.shape[0]
-    chunk = vocab_chunk or max(1024, min(65536, 2**20 // max(n, 1)))
+    budget = 2**24 if hn.device.type == "cuda" else 2**20  # float32 elements of one N×chunk block
+    chunk = vocab_chunk or max(1024, budget // max(n, 1))
     low_precision = weight.dtype.itemsize < 4
     mm_dtype = weight.dtype if low_precision else dtype
     hn_mm = hn.to(mm_dtype)
@@ -80,13 +82,16 @@ def head_loss_and_error(
             local = (targets - start).clamp(0, w.shape[0] - 1).long()[:, None]
             yield w, z, dz, in_chunk, local
 
+    # one chunk (the usual case on a GPU): keep its logits for the second pass instead of
+    # recomputing them; they are within the chunk budget
+    single = list(chunks()) if weight.shape[0] <= chunk else None
     running_max = torch.full((n,), float("-inf"), dtype=dtype, device=hn.device)
     denom = torch.zeros(n, dtype=dtype, device=hn.device)
     z_target = torch.zeros(n, dtype=dtype, device=hn.device)
     dz_target = torch.full((n,), float(transform.scale), dtype=dtype, device=hn.device)
     online = need_error and not low_precision
     acc = torch.zeros(n, hn.shape[1], dtype=dtype, device=hn.device) if need_error else None
-    for w, z, dz, in_chunk, local in chunks():
+    for w, z, dz, in_chunk, local in single or chunks():
         z_target = torch.where(in_chunk, z.gather(1, local)[:, 0], z_target)
         if torch.is_tensor(dz):
             dz_target = torch.where(in_chunk, dz.gather(1, local)[:, 0], dz_target)
@@ -105,7 +110,7 @@ def head_loss_and_error(
         if not torch.is_tensor(dz):  # the constant dz/dz0 was left out of the accumulation
             acc = acc * transform.scale
         return loss, acc / denom[:, None] - dz_target[:, None] * weight[targets].to(dtype)
-    for w, z, dz, in_chunk, local in chunks():
+    for w, z, dz, in_chunk, local in single or chunks():
         g = torch.exp(z - lse[:, None]) * dz
         g.scatter_add_(1, local, -(dz_target * in_chunk)[:, None])
         acc += (g.to(mm_dtype) @ w).to(dtype)

@@ -25,11 +25,14 @@ def _check_finite(name: str, *tensors: Tensor) -> None:
 
 
 def _cholesky(matrix: Tensor, what: str) -> Tensor:
+    """Cholesky factor of a matrix or a stack of them (one host sync for the whole stack)."""
     factor, info = torch.linalg.cholesky_ex(matrix)
-    if int(info) != 0:
+    if info.any():
+        bad = int(info.flatten().nonzero()[0])
+        where = f"block {bad} of the stack, " if info.ndim else ""
         raise NonFiniteStatisticsError(
-            f"{what} is not positive definite (Cholesky failed at minor {int(info)}); "
-            "increase the relative ridge or check the data"
+            f"{what} is not positive definite ({where}Cholesky failed at minor "
+            f"{int(info.flatten()[bad])}); increase the relative ridge or check the data"
         )
     return factor
 
@@ -161,9 +164,9 @@ class BlockStats:
         return s
 
 
-def relative_ridge(gram: Tensor, lam_rel: float) -> float:
-    """λ = λ_rel · trace(G)/r."""
-    return lam_rel * float(torch.trace(gram)) / gram.shape[0]
+def relative_ridge(gram: Tensor, lam_rel: float) -> Tensor:
+    """λ = λ_rel · trace(G)/r, one per matrix of a stack (a tensor: no host sync)."""
+    return lam_rel * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / gram.shape[-1]
 
 
 def solve_block(
@@ -174,19 +177,25 @@ def solve_block(
     ``center="zero"`` (the paper) penalises ``λ||B'||²``: ``B ← (B G − η U_k Σ_k · cross)(G + λI)⁻¹``,
     which also shrinks B towards 0 every iteration (a fixed point where λB balances the step).
     ``center="previous"`` penalises ``λ||B' − B||²``: ``B ← B − η U_k Σ_k · cross (G + λI)⁻¹``, a
-    damped step with no shrinkage."""
+    damped step with no shrinkage.
+
+    Every argument may carry a leading block dimension (B L×d×r, a stacked :class:`BlockStats`,
+    U_k Σ_k L×d×k): all blocks are then solved by one batched factorisation, with a few host
+    syncs for the whole stack instead of a few per block."""
     g = stats.gram
     _check_finite("adapter statistics", g, stats.cross)
-    if float(torch.trace(g)) <= 0:
+    trace = g.diagonal(dim1=-2, dim2=-1).sum(-1)
+    if (trace <= 0).any():
         raise ValueError("no adapter inputs were accumulated (empty Gram matrix)")
     if center not in ("zero", "previous"):
         raise ValueError(f"center must be 'zero' or 'previous', got {center!r}")
     c = b.double() @ g - eta * (us.double() @ stats.cross)
-    lam = relative_ridge(g, lam_rel)
+    lam = relative_ridge(g, lam_rel)[..., None, None]
     if center == "previous":
         c = c + lam * b.double()
-    factor = _cholesky(g + lam * torch.eye(g.shape[0], dtype=g.dtype, device=g.device), "G + λI")
-    new_b = torch.cholesky_solve(c.T, factor).T
+    eye = torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
+    factor = _cholesky(g + lam * eye, "G + λI")
+    new_b = torch.cholesky_solve(c.mT, factor).mT
     _check_finite("adapter solve", new_b)
     return new_b.to(b.dtype)
 
