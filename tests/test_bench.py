@@ -47,3 +47,25 @@ def test_every_phase_runs_and_the_table_has_its_ratios(tmp_path):
     by = {r["phase"]: r for r in report["rows"]}
     assert float(stage2[3]) == round(by["stage2"]["time_s"] / by["lora"]["time_s"], 2)
     assert "—" in lora  # LoRA against itself: no ratio
+
+
+def test_synthetic_lengths_give_batches_of_exactly_that_length(tmp_path):
+    root = save_model_and_task(tmp_path, 10)  # the built-in task's data is never read
+    out = tmp_path / "bench"
+    argv = ["bench", "--model", str(root / "model"), "--task", "sst2", "--device", "cpu",
+            "--rank", "4", "--feedback-rank", "4", "--n-train", "12", "--synthetic-length", "20",
+            "--phases", "forward,stage2,stage2-eager", "--repeats", "1", "--quiet",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    setup = json.loads((out / "bench.json").read_text())["setup"]
+    assert setup["tokens"] == 12 * 20 and setup["sequences"] == 12 and setup["synthetic_length"] == 20
+    assert setup["predict_positions"] == 12 * 2  # the answer token and EOS
+
+
+def test_synthetic_items_are_seeded_and_sized():
+    from loca.data.synthetic import synthetic_items
+
+    a, b = synthetic_items(5, 9, 100, seed=3, eos_id=7), synthetic_items(5, 9, 100, seed=3, eos_id=7)
+    assert a == b and all(len(x.ids) == 9 and x.completion[-1] == 7 and x.has_eos for x in a)
+    assert synthetic_items(5, 9, 100, seed=4, eos_id=7) != a
+    assert all(len(x.completion) == 1 for x in synthetic_items(2, 3, 100))

@@ -127,6 +127,9 @@ class ResidualAdapters:
         self._handles: list = []
         self._recorder: Recorder | None = None
         self._derived: dict[int, tuple] = {}  # per block: what is derived from B (see _b_state)
+        self._static: list[tuple[Tensor, Tensor]] = []  # per block: fixed Aᵀ, Bᵀ (CUDA graphs)
+        self._static_seen: list[tuple[Tensor, int]] = []  # the B (and version) copied in last
+        self._use_static = False
         self._zero: dict[int, tuple] = {}  # per block: (B, version) while B is known to be zero
         self._mark_zero()
 
@@ -186,6 +189,32 @@ class ResidualAdapters:
         finally:
             self._recorder = None
 
+    def refresh_static(self, dtype: torch.dtype) -> None:
+        """Copy the current B into fixed buffers (Aᵀ, Bᵀ in ``dtype``, made on the first call),
+        which the hooks read inside :meth:`static_weights`: a captured CUDA graph replays the
+        addresses it saw, so B must change in place there. Blocks whose B is unchanged since the
+        last call (same tensor, same version) are not copied."""
+        if not self._static or self._static[0][0].dtype != dtype:
+            self._static = [(a.T.to(dtype).contiguous(), b.T.to(dtype).contiguous())
+                            for a, b in zip(self.A, self.B, strict=True)]  # fmt: skip
+        else:
+            for (_, bt), b, seen in zip(self._static, self.B, self._static_seen, strict=True):
+                if seen[0] is not b or seen[1] != b._version:  # B replaced or edited since
+                    bt.copy_(b.T)
+        self._static_seen = [(b, b._version) for b in self.B]
+
+    @contextmanager
+    def static_weights(self) -> Iterator[None]:
+        """Inside, the hooks apply every adapter from the buffers of :meth:`refresh_static` (a
+        zero B included: the correction then adds exactly zero), as CUDA graph capture needs."""
+        if not self._static:
+            raise RuntimeError("refresh_static() must fill the fixed buffers first")
+        self._use_static = True
+        try:
+            yield
+        finally:
+            self._use_static = False
+
     def _b_state(self, layer: int, dtype: torch.dtype) -> tuple[bool, Tensor, Tensor]:
         """``(B_l may be non-zero, Aᵀ, Bᵀ)`` with A and B cast to ``dtype``, recomputed only when
         B_l is replaced or edited in place (its version changes): casting on every forward would
@@ -193,6 +222,8 @@ class ResidualAdapters:
         :meth:`reset` or :meth:`set_b` found zero, unedited since; testing its values here would
         cost a device sync per block after every in-place edit (three per MeZO step). The cache
         holds the B tensor itself, so its identity cannot be reused by another tensor."""
+        if self._use_static:
+            return True, *self._static[layer]
         b = self.B[layer]
         cached = self._derived.get(layer)
         key = (b._version, dtype, torch.is_inference_mode_enabled())  # an inference-mode cast

@@ -34,6 +34,8 @@ ARCHS = {
     "qwen2.5-3b": shape(QWEN, 2048, 11008, 36, 16, 2, 151936, True),
     "qwen2.5-7b": shape(QWEN, 3584, 18944, 28, 28, 4, 152064, False),
     "qwen2.5-14b": shape(QWEN, 5120, 13824, 48, 40, 8, 152064, False),
+    "smollm2-135m": shape(LLAMA, 576, 1536, 30, 9, 3, 49152, True, rope_theta=100000),
+    "smollm2-360m": shape(LLAMA, 960, 2560, 32, 15, 5, 49152, True, rope_theta=100000),
     "smollm2-1.7b": shape(LLAMA, 2048, 8192, 24, 32, 32, 49152, True, rope_theta=130000),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -3,7 +3,9 @@
 - ``forward``: a plain inference forward of the causal LM over the training batches, logits
   included, as a user would run it; ``backbone``: the same without the LM head (the floor).
 - ``calibrate``: Stage I (probe forward + backward, ridge fits).
-- ``stage2``: one Stage II step, :func:`loca.fit.stage2_pass` with non-zero adapters.
+- ``stage2``: one Stage II step, :func:`loca.fit.stage2_pass` with non-zero adapters (on one
+  CUDA device through the CUDA graphs a fit uses, captured in the untimed warm-up);
+  ``stage2-eager``: the same step without graphs (the two differ only on a GPU).
 - ``full-run``: what ``loca fit`` does before evaluating: calibration, then a fit of
   ``full_run_iters`` iterations with its held-out selection.
 - ``lora``: one epoch of PEFT LoRA (rank 32 on q/k/v/o, forward + backward + AdamW, one step per
@@ -24,10 +26,13 @@ import torch
 from .adapters import ResidualAdapters
 from .calibrate import Calibrator
 from .fit import block_groups, fit, stage2_pass
+from .graphs import BatchGraphs
 
-PHASES = ("forward", "backbone", "calibrate", "stage2", "full-run", "lora", "adapter-mezo", "mezo")
+PHASES = ("forward", "backbone", "calibrate", "stage2", "stage2-eager", "full-run", "lora", "adapter-mezo",
+          "mezo")
 # passes over the training tokens each phase makes (for tokens/s); None: not a pass over them
-PASSES = {"forward": 1, "backbone": 1, "stage2": 1, "lora": 1, "adapter-mezo": 2, "mezo": 2}
+PASSES = {"forward": 1, "backbone": 1, "stage2": 1, "stage2-eager": 1, "lora": 1, "adapter-mezo": 2,
+          "mezo": 2}
 
 
 def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[str, Callable[[], object]]:
@@ -53,18 +58,24 @@ def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[st
             parts.backbone(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
 
     phases.update(forward=forward, backbone=backbone, calibrate=calibrate)
-    if "stage2" in names:
+    if "stage2" in names or "stage2-eager" in names:
         maps = calibrate()
         adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed)
         gen = torch.Generator().manual_seed(cfg.seed)
         b_start = [1e-3 * torch.randn(b.shape, generator=gen) for b in adapters.B]
         groups = block_groups(parts.num_blocks, cfg.groups)
+        use_graphs = cfg.cuda_graphs and BatchGraphs.supported(parts)
+        graphs = BatchGraphs(parts, adapters, batches) if use_graphs else None  # captured in the warm-up
 
-        def stage2():
-            with adapters:
-                stage2_pass(parts, adapters, maps, batches, b_start, cfg.etas[0], cfg.lam_rel[0], cfg, groups)
+        def stage2_with(graphs: BatchGraphs | None) -> Callable[[], None]:
+            def stage2() -> None:
+                with adapters:
+                    stage2_pass(parts, adapters, maps, batches, b_start, cfg.etas[0], cfg.lam_rel[0], cfg,
+                                groups, graphs=graphs)  # fmt: skip
 
-        phases["stage2"] = stage2
+            return stage2
+
+        phases["stage2"], phases["stage2-eager"] = stage2_with(graphs), stage2_with(None)
 
     def full_run():
         short = replace(cfg, max_iters=full_run_iters)

@@ -101,6 +101,13 @@ class LocaConfig:
         "0 = never; changes no result)",
         section="fit",
     )
+    cuda_graphs: bool = option(
+        True,
+        "on a single CUDA device, capture each training batch's Stage II forward (with the head "
+        "error and the adapter codes) as a CUDA graph on its first pass and replay it after: the "
+        "kernel launches are paid once (results equal to float rounding)",
+        section="fit",
+    )
     max_iters: int = option(
         20, "maximum number of outer iterations T_max (adaptive: of steps tried)", section="fit"
     )

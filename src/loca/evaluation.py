@@ -5,6 +5,7 @@ The pure metric functions are in :mod:`loca.metrics`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -14,6 +15,9 @@ from .data.batching import Batch
 from .head import head_loss_and_error
 from .metrics import TokenCE, rank_choices
 from .models import ModelParts
+
+if TYPE_CHECKING:
+    from .graphs import BatchGraphs
 
 
 def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
@@ -27,13 +31,17 @@ def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def completion_ce(parts: ModelParts, batches: Sequence[Batch]) -> TokenCE:
+def completion_ce(parts: ModelParts, batches: Sequence[Batch], graphs: BatchGraphs | None = None) -> TokenCE:
     """Mean per-token CE over the completion tokens of ``batches`` (EOS included and excluded).
+    ``graphs``: CUDA graphs made for these ``batches`` (:class:`loca.graphs.BatchGraphs`).
     Data-parallel: each rank runs its share of the batches and the sums are reduced."""
     losses, eos = [], []
-    for batch in distributed.shard(batches):  # no host sync inside the loop
-        losses.append(position_losses(parts, batch))
-        eos.append(batch.is_eos)
+    for index in distributed.owned(len(batches)):  # no host sync inside the loop
+        if graphs is not None:  # the graph's buffer is rewritten by its next replay: copied
+            losses.append(graphs.run(index, lambda b: (position_losses(parts, b),))[0].clone())
+        else:
+            losses.append(position_losses(parts, batches[index]))
+        eos.append(batches[index].is_eos.to(losses[-1].device))
     ce = TokenCE()
     if losses:
         ce.add(torch.cat(losses), torch.cat(eos))

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import distributed
@@ -28,6 +29,7 @@ from .calibrate import Calibrator, FeedbackMaps
 from .config import LocaConfig
 from .data.batching import Batch
 from .evaluation import completion_ce, reduce_ce
+from .graphs import BatchGraphs, fit_graphs
 from .head import head_loss_and_error
 from .metrics import TokenCE
 from .models import ModelParts
@@ -41,6 +43,27 @@ def block_groups(num_blocks: int, groups: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(groups)]
 
 
+def _batch_outputs(
+    parts: ModelParts, adapters: ResidualAdapters, b: Batch, blocks: Sequence[int],
+    by_device: dict[torch.device, list[int]], consts: dict[torch.device, tuple[Tensor, Tensor]],
+) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]]]:  # fmt: skip
+    """The per-batch part of a Stage II pass (what a CUDA graph captures): the forward with the
+    adapters and the recording hooks, the head loss and error, and per device the codes
+    ``p`` (L×N×r), input norms² (L) and projected errors ``y = E V_k`` (L×N×k)."""
+    recorder = Recorder(b.pos_b, b.pos_t, b.input_ids.shape[1], set(blocks))
+    with adapters.recording(recorder) as rec:
+        hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
+    loss, e = head_loss_and_error(hn, parts.head.weight, parts.head.bias, b.targets, parts.transform)
+    outs = []
+    for dev, ls in by_device.items():
+        v_all, a_all = consts[dev]
+        p, h_sumsq = rec.codes_and_norms(ls, a_all)
+        e_dev = e if e.device == dev else e.to(dev)
+        y = (e_dev @ v_all.to(e_dev.dtype)).view(-1, len(ls), v_all.shape[1] // len(ls)).transpose(0, 1)
+        outs.append((p, h_sumsq, y))
+    return loss, outs
+
+
 @torch.inference_mode()
 def collect_statistics(
     parts: ModelParts,
@@ -49,13 +72,15 @@ def collect_statistics(
     batches: Sequence[Batch],
     blocks: Sequence[int],
     step_scale: str = "rms",
+    graphs: BatchGraphs | None = None,
 ) -> tuple[dict[int, BlockStats], TokenCE]:
     """One forward pass: per-block statistics for ``blocks`` and the training CE before the update.
 
     The hooks only gather each block's input rows at the predict positions (one kernel per
     block); the codes p = A h, the input norms and the statistics of all blocks on a device are
     then computed as one stack (a few batched kernels per batch), and nothing is copied to the
-    host inside the loop, so a GPU never waits on Python. Data-parallel:
+    host inside the loop, so a GPU never waits on Python. With ``graphs`` (made for these
+    ``batches``) each batch's forward, head error and codes replay a CUDA graph. Data-parallel:
     each rank runs its share of the batches, and the statistics and CE sums are all-reduced once
     (float64) after the pass.
     """
@@ -63,42 +88,42 @@ def collect_statistics(
     for l in blocks:
         by_device.setdefault(adapters.devices[l], []).append(l)
     k = maps.rank
-    stacks = {
-        dev: (
-            BlockStats.zeros(adapters.rank, k, dev, blocks=len(ls)),
-            torch.cat([maps.factors[l].v for l in ls], dim=1),  # d × (L·k): all V_k side by side
-            torch.stack([maps.sigma(l) for l in ls]),  # L × k
-            torch.stack([adapters.A[l] for l in ls]),  # L × r × d
-        )
-        for dev, ls in by_device.items()
-    }
+    stats = {dev: BlockStats.zeros(adapters.rank, k, dev, blocks=len(ls)) for dev, ls in by_device.items()}
+    sigma = {dev: torch.stack([maps.sigma(l) for l in ls]) for dev, ls in by_device.items()}  # L × k
+    if graphs is not None:
+        consts = {parts.device: graphs.buffers(maps, blocks)}
+    else:  # per device: all V_k side by side (d × L·k), A stacked (L × r × d)
+        consts = {
+            dev: (torch.cat([maps.factors[l].v for l in ls], dim=1), torch.stack([adapters.A[l] for l in ls]))
+            for dev, ls in by_device.items()
+        }
+
+    def outputs(batch: Batch) -> tuple:
+        return _batch_outputs(parts, adapters, batch, blocks, by_device, consts)
+
     losses, eos = [], []
-    for batch in distributed.shard(batches):
-        b = batch.to(parts.device)
-        recorder = Recorder(b.pos_b, b.pos_t, b.input_ids.shape[1], set(blocks))
-        with adapters.recording(recorder) as rec:
-            hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
-        loss, e = head_loss_and_error(hn, parts.head.weight, parts.head.bias, b.targets, parts.transform)
+    for index in distributed.owned(len(batches)):
+        if graphs is not None:
+            loss, outs = graphs.run(index, outputs, key=tuple(blocks))
+            loss = loss.clone()  # the graph's buffer is rewritten by its next replay
+        else:
+            loss, outs = outputs(batches[index].to(parts.device))
         losses.append(loss)
-        eos.append(b.is_eos)
-        for dev, ls in by_device.items():
-            stats, v_all, sigma, a_all = stacks[dev]
-            p, h_sumsq = rec.codes_and_norms(ls, a_all)  # L × N × r, L
-            e_dev = e if e.device == dev else e.to(dev)
-            y = (e_dev @ v_all.to(e_dev.dtype)).view(-1, len(ls), k).transpose(0, 1)  # L × N × k
-            stats.add_inputs(p)
-            stats.add_targets(p, h_sumsq, y, sigma, normalize=step_scale == "rms")
+        eos.append(batches[index].is_eos.to(loss.device))
+        for (dev, st), (p, h_sumsq, y) in zip(stats.items(), outs, strict=True):
+            st.add_inputs(p)
+            st.add_targets(p, h_sumsq, y, sigma[dev], normalize=step_scale == "rms")
     ce = TokenCE()
     if losses:
         ce.add(torch.cat(losses), torch.cat(eos))
-    for stats, *_ in stacks.values():  # data-parallel: one sum over the ranks per pass
-        distributed.all_reduce_sum(stats.gram, stats.cross)
-        stats.positions = int(distributed.all_reduce_numbers([stats.positions])[0])
+    for st in stats.values():  # data-parallel: one sum over the ranks per pass
+        distributed.all_reduce_sum(st.gram, st.cross)
+        st.positions = int(distributed.all_reduce_numbers([st.positions])[0])
     ce = reduce_ce(ce)
     out = {}
     for dev, ls in by_device.items():
         for i, l in enumerate(ls):
-            out[l] = stacks[dev][0][i]
+            out[l] = stats[dev][i]
     return out, ce
 
 
@@ -131,13 +156,15 @@ def stage2_pass(
     cfg: LocaConfig,
     groups: list[list[int]] | None = None,
     first: tuple[dict[int, BlockStats], TokenCE] | None = None,
+    graphs: BatchGraphs | None = None,
 ) -> tuple[float, tuple[dict[int, BlockStats], TokenCE]]:
     """One Stage II step: from adapters ``b``, one Gauss–Seidel sweep over ``groups`` (default
     ``block_groups(L, cfg.groups)``): a forward pass per group collecting its blocks' statistics,
     then each block's ridge solve with step ``eta``. Leaves the adapters at the new B and returns
     ``(training CE at b, the first group's statistics)``; pass those back as ``first`` to retry
-    from the same ``b`` with another η without a new forward pass. This is the step
-    :func:`fit` takes and ``loca bench`` times."""
+    from the same ``b`` with another η without a new forward pass. ``graphs``: CUDA graphs made
+    for ``train`` (:class:`loca.graphs.BatchGraphs`). This is the step :func:`fit` takes and
+    ``loca bench`` times."""
     groups = groups or block_groups(parts.num_blocks, cfg.groups)
     adapters.set_b(b)
     train_ce = math.nan
@@ -145,7 +172,7 @@ def stage2_pass(
         if gi == 0 and first is not None:
             stats, ce = first
         else:
-            stats, ce = collect_statistics(parts, adapters, maps, train, blocks, cfg.step_scale)
+            stats, ce = collect_statistics(parts, adapters, maps, train, blocks, cfg.step_scale, graphs)
             if gi == 0:
                 first = (stats, ce)
         if gi == 0:
@@ -184,6 +211,7 @@ class FitResult:
     wall_time_s: float = 0.0
     recalibrations: int = 0
     recalibration_time_s: float = 0.0
+    graph_capture_s: float = 0.0  # spent capturing CUDA graphs (0 when eager)
 
     def summary(self) -> dict:
         return {
@@ -198,6 +226,7 @@ class FitResult:
             "wall_time_s": self.wall_time_s,
             "recalibrations": self.recalibrations,
             "recalibration_time_s": self.recalibration_time_s,
+            "graph_capture_s": self.graph_capture_s,
         }
 
 
@@ -208,6 +237,7 @@ class _Fit:
         self.parts, self.maps, self.train, self.heldout, self.cfg = parts, maps, train, heldout, cfg
         self.adapters, self.calibrator, self.on_iteration = adapters, calibrator, on_iteration
         self.groups = block_groups(parts.num_blocks, cfg.groups)
+        self.graphs = fit_graphs(parts, adapters, train, heldout) if cfg.cuda_graphs else None
         self.history: list[dict] = []
         self.start = start
         self.recalibrations, self.recalibration_s = 0, 0.0
@@ -219,7 +249,7 @@ class _Fit:
             self.on_iteration(row)
 
     def heldout_ce(self) -> float:
-        ce = completion_ce(self.parts, self.heldout).mean
+        ce = completion_ce(self.parts, self.heldout, self.graphs and self.graphs[1]).mean
         if not math.isfinite(ce):
             raise NonFiniteStatisticsError(f"held-out CE became {ce}")
         return ce
@@ -231,7 +261,7 @@ class _Fit:
         only, not on η."""
         train_ce, traj.stats0 = stage2_pass(
             self.parts, self.adapters, self.maps, self.train, traj.b, eta, traj.lam_rel, self.cfg,
-            self.groups, first=traj.stats0,
+            self.groups, first=traj.stats0, graphs=self.graphs and self.graphs[0],
         )  # fmt: skip
         return train_ce, self.heldout_ce()
 
@@ -332,7 +362,7 @@ def fit(
     state = _Fit(parts, maps, train, heldout, cfg, adapters, calibrator, on_iteration, start)
     zero = adapters.get_b()
     if resume is None:
-        frozen_ce = completion_ce(parts, heldout).mean
+        frozen_ce = completion_ce(parts, heldout, state.graphs and state.graphs[1]).mean
         if not math.isfinite(frozen_ce):
             adapters.detach()
             raise NonFiniteStatisticsError(f"the frozen model's held-out CE is {frozen_ce}")
@@ -457,4 +487,5 @@ def fit(
         wall_time_s=time.perf_counter() - start,
         recalibrations=state.recalibrations,
         recalibration_time_s=state.recalibration_s,
+        graph_capture_s=sum(g.capture_s for g in state.graphs or ()),
     )

@@ -44,6 +44,11 @@ class ModelParts:
         """The head's device: where batches, head errors and losses live."""
         return self.head.weight.device
 
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states between blocks (the input embeddings')."""
+        return self.model.get_input_embeddings().weight.dtype
+
     def final_hidden(self, input_ids, attention_mask, pos_b, pos_t, inputs_embeds=None):
         """Normalised final hidden states ``n(h_L)`` at the predict positions (N×d), on the head's
         device.

@@ -176,6 +176,15 @@ class Pipeline:
                                 f"{self.cfg.max_length}; their question may be lost")  # fmt: skip
         return self._encoded
 
+    def use_items(self, train: list[Encoded], heldout: list[Encoded]) -> None:
+        """Run on these encoded sequences instead of the task's splits (e.g.
+        :func:`loca.data.synthetic.synthetic_items` for time and memory runs)."""
+        if not train or not heldout:
+            raise ValueError("use_items needs training and held-out sequences")
+        self._encoded = (list(train), list(heldout))
+        self._truncated = {"train": 0, "heldout": 0}
+        self._batched = self._calibrator = None
+
     def truncated(self) -> dict[str, int]:
         """How many training and held-out prompts were cut from the left."""
         self.encoded()
@@ -349,6 +358,7 @@ class Pipeline:
             "stop_reasons": result.stop_reasons,
             "recalibrations": result.recalibrations,
             "recalibration_time_s": result.recalibration_time_s,
+            "graph_capture_s": result.graph_capture_s,
             "alignment": align,
             "padding_fraction": {"train": padding_fraction(train), "heldout": padding_fraction(heldout)},
             "truncated_prompts": {**self.truncated(), "test": loca_test["n_truncated"]},

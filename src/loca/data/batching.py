@@ -82,7 +82,7 @@ class Batch:
     """A right-padded batch and its predict positions (``pos_b``, ``pos_t``) and targets."""
 
     input_ids: Tensor  # B×T
-    attention_mask: Tensor  # B×T
+    attention_mask: Tensor | None  # B×T; None: no padding (as CUDA graphs take an unpadded batch)
     pos_b: Tensor  # N
     pos_t: Tensor  # N
     targets: Tensor  # N, the next token at each predict position
@@ -94,7 +94,7 @@ class Batch:
         return int(self.targets.numel())
 
     def to(self, device: torch.device | str) -> Batch:
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        move = lambda t: t if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(
             move(self.input_ids), move(self.attention_mask), move(self.pos_b), move(self.pos_t),
             move(self.targets), move(self.is_eos), self.items,

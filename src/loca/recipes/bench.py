@@ -6,11 +6,12 @@ Example::
         --phases forward,calibrate,stage2,full-run,lora,adapter-mezo --out runs/bench
 
 Phases (see :mod:`loca.bench_phases`): ``forward``, ``backbone``, ``calibrate``, ``stage2`` (one
-Stage II step, :func:`loca.fit.stage2_pass`, the very step ``loca fit`` takes), ``full-run``
-(calibration + a short fit), ``lora`` (one epoch of PEFT LoRA), ``adapter-mezo`` and ``mezo``
-(as many SPSA steps). Interleaved and repeated; writes ``DIR/bench.json`` and ``DIR/bench.md``
-(ratios to the forward and to LoRA, shaped like the paper's Table 2). Under ``torchrun`` the
-LoCA phases run data-parallel.
+Stage II step, :func:`loca.fit.stage2_pass`, the very step ``loca fit`` takes), ``stage2-eager``
+(the same without CUDA graphs), ``full-run`` (calibration + a short fit), ``lora`` (one epoch of
+PEFT LoRA), ``adapter-mezo`` and ``mezo`` (as many SPSA steps). ``--synthetic-length L`` runs on
+random token sequences of exactly L tokens instead of the task's. Interleaved and repeated;
+writes ``DIR/bench.json`` and ``DIR/bench.md`` (ratios to the forward and to LoRA, shaped like the
+paper's Table 2). Under ``torchrun`` the LoCA phases run data-parallel.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from .. import distributed
 from ..bench import measure_phases
 from ..bench_phases import PHASES, build_phases, ratio_table
+from ..data.synthetic import synthetic_items
 from ..io import atomic_write_json, atomic_write_text
 from ..runs import prepare_run_dir
 from ..versions import versions
@@ -41,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="forward,backbone,calibrate,stage2",
         help=f"comma-separated subset of {','.join(PHASES)}",
     )
+    p.add_argument(
+        "--synthetic-length",
+        type=int,
+        default=0,
+        help="run on --n-train (and --n-heldout) synthetic sequences of exactly this many random tokens, "
+        "answer + EOS at the end, instead of the task's data (0 = the task's real lengths)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per phase (median reported)")
     p.add_argument("--full-run-iters", type=int, default=5, help="fit iterations of the full-run phase")
     p.add_argument("--out", required=True, help="folder for bench.json")
@@ -57,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--phases names no phase; choose from {PHASES}")
     run = pipeline_from_args(args, **DATA_DEFAULTS)
     model_cfg = run.model_config
+    if args.synthetic_length:
+        eos = run.tokenizer.eos_token_id if run.cfg.add_eos else None
+        vocab = min(len(run.tokenizer), run.parts.vocab_size)
+        make = lambda n, seed: synthetic_items(n, args.synthetic_length, vocab, seed, eos)  # noqa: E731
+        run.use_items(make(run.data.n_train, run.cfg.seed), make(run.data.n_heldout, run.cfg.seed + 1))
     if distributed.is_main():  # under torchrun: rank 0 writes, every rank measures its share
         prepare_run_dir(args.out, "bench", model=model_cfg.model, overwrite=args.overwrite,
                         writes=("bench.json", "bench.md"))  # fmt: skip
@@ -92,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         "statistics_bytes": stat_bytes,
         "setup": {
             "model": model_cfg.model,
-            "task": task.name,
+            "task": f"synthetic ({args.synthetic_length} tokens)" if args.synthetic_length else task.name,
+            "synthetic_length": args.synthetic_length or None,
             "dtype": model_cfg.dtype,
             "device": str(dev),
             "sequences": len(items),

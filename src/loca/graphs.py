@@ -1,0 +1,121 @@
+"""CUDA graphs for Stage II: each batch's pass is captured once and replayed after.
+
+Every Stage II iteration runs the same training and held-out batches through the same kernels;
+only B (and, after a re-calibration, the maps) change. On a GPU a short batch's eager pass is
+bound by the CPU issuing kernels (~40 per block), not by arithmetic, so the launches are worth
+paying once: a batch's forward with the adapters and the recording hooks, its head error and
+adapter codes (training) or its losses (held-out) are captured as one graph on the batch's first
+pass and replayed on every later one. The graphs read A, B and the maps' V from fixed buffers:
+B is copied in whenever it changed (:meth:`BatchGraphs.run` checks), V by
+:meth:`BatchGraphs.buffers` before each training pass.
+
+Short batches are padded on the right to a multiple of :data:`BUCKET` tokens (masked), so that a
+fit meets few distinct shapes. Each graph's outputs are consumed before the next graph runs, so all
+graphs share one memory pool: the captured memory is one batch's activations plus each batch's
+outputs (L·N·(r + k) floats for a training batch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from .adapters import ResidualAdapters
+from .calibrate import FeedbackMaps
+from .data.batching import Batch
+from .models import ModelParts
+
+
+class BatchGraphs:
+    """Captured per-batch passes over one fixed list of batches (on one CUDA device)."""
+
+    def __init__(self, parts: ModelParts, adapters: ResidualAdapters, batches: Sequence[Batch], pool=None):
+        """``pool``: another :class:`BatchGraphs`' ``pool`` to share (their replays never overlap)."""
+        self.parts, self.adapters = parts, adapters
+        self.batches = [_prepared(b, parts).to(parts.device) for b in batches]  # the graphs' fixed inputs
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(parts.device)  # capture needs a side stream
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self._static: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
+        self._warm = False
+        self.capture_s = 0.0
+
+    @staticmethod
+    def supported(parts: ModelParts) -> bool:
+        """A CUDA model on one device (a model spread over devices runs eagerly)."""
+        devices = {parts.device, *parts.block_devices()}
+        return parts.device.type == "cuda" and len(devices) == 1
+
+    def buffers(self, maps: FeedbackMaps, blocks: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """The fixed ``(V of all blocks side by side, A stacked)`` for ``blocks``, holding
+        ``maps``' V now. Call before each training pass (the maps may have been refitted)."""
+        key = tuple(blocks)
+        v = torch.cat([maps.factors[l].v for l in blocks], dim=1)
+        if key not in self._static:
+            self._static[key] = (v.clone(), torch.stack([self.adapters.A[l] for l in blocks]))
+        else:
+            self._static[key][0].copy_(v)
+        return self._static[key]
+
+    def run(self, index: int, fn: Callable[[Batch], tuple], key: Hashable = ()) -> tuple:
+        """``fn(batch)`` for batch ``index`` through its graph (one per ``(index, key)``):
+        captured on the first call, replayed after, with the adapters' current B. The returned
+        tensors are the graph's own: they hold this replay's values until it runs again."""
+        self.adapters.refresh_static(self.parts.hidden_dtype)  # no-op unless B changed
+        if (index, key) not in self._graphs:
+            self._capture(index, fn, key)
+        graph, out = self._graphs[(index, key)]
+        graph.replay()
+        return out
+
+    def _capture(self, index: int, fn: Callable[[Batch], tuple], key: Hashable) -> None:
+        t0 = time.perf_counter()
+        batch, device = self.batches[index], self.parts.device
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream), self.adapters.static_weights():
+            if not self._warm:  # lazy initialisations (cuBLAS handles, workspaces) precede capture
+                fn(batch)
+                self._warm = True
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = fn(batch)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(self.stream)
+        self._graphs[(index, key)] = (graph, out)
+        self.capture_s += time.perf_counter() - t0
+
+
+BUCKET = 32  # short batches are padded to a multiple of this: few distinct shapes to capture
+BUCKET_BELOW = 256  # longer batches are left as they are: padding them would cost arithmetic
+
+
+def _prepared(batch: Batch, parts: ModelParts) -> Batch:
+    """``batch`` as its graph takes it. Shorter than :data:`BUCKET_BELOW` tokens, it is padded on
+    the right (masked) to a multiple of :data:`BUCKET` tokens: every new matmul shape costs a
+    one-off library heuristic (tens of ms on a GPU, paid again by the capture of an unseen shape),
+    and padding on the right leaves the real positions' values unchanged up to rounding (masked
+    keys get zero attention weight). A batch with no padding gets no mask (None), so that its
+    attention takes the causal kernel, as the eager forward finds by itself."""
+    t = batch.input_ids.shape[1]
+    width = -(-t // BUCKET) * BUCKET if t < BUCKET_BELOW else t
+    if width > (getattr(parts.model.config, "max_position_embeddings", None) or width):
+        width = t
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - t))  # noqa: E731
+    mask = pad(batch.attention_mask)
+    return Batch(pad(batch.input_ids), None if bool(mask.all()) else mask, batch.pos_b, batch.pos_t,
+                 batch.targets, batch.is_eos, batch.items)  # fmt: skip
+
+
+def fit_graphs(parts: ModelParts, adapters: ResidualAdapters, train: Sequence[Batch],
+               heldout: Sequence[Batch]) -> tuple[BatchGraphs, BatchGraphs] | None:  # fmt: skip
+    """Graphs for a fit's training and held-out batches sharing one pool, or None where graphs
+    do not apply (not one CUDA device)."""
+    if not BatchGraphs.supported(parts):
+        return None
+    train_graphs = BatchGraphs(parts, adapters, train)
+    return train_graphs, BatchGraphs(parts, adapters, heldout, pool=train_graphs.pool)
