@@ -31,7 +31,7 @@ def test_graphed_passes_equal_eager_and_follow_b_and_maps(tmp_path, dtype, tol):
     from loca.adapters import ResidualAdapters
     from loca.evaluation import completion_ce
     from loca.fit import collect_statistics
-    from loca.graphs import fit_graphs
+    from loca.graphs import batch_graphs
 
     pipe = pipeline(tmp_path, dtype)
     parts = pipe.parts
@@ -39,7 +39,8 @@ def test_graphed_passes_equal_eager_and_follow_b_and_maps(tmp_path, dtype, tol):
     assert len(train) >= 3
     maps = pipe.calibrate()
     adapters = ResidualAdapters(parts, rank=pipe.cfg.rank).attach()
-    graphs, heldout_graphs = fit_graphs(parts, adapters, train, heldout)
+    graphs = batch_graphs(parts, adapters, train)
+    heldout_graphs = batch_graphs(parts, adapters, heldout, graphs)
     gen = torch.Generator().manual_seed(0)
     blocks = list(range(parts.num_blocks))
     for step in range(4):  # B = 0, another B, new maps, B edited in place

@@ -234,9 +234,11 @@ class ResidualAdapters:
             self._derived[layer] = cached
         return cached[2], cached[3], cached[4]
 
-    def _mark_zero(self) -> None:
-        """Record which B are zero now (one check per block, outside any forward)."""
-        self._zero = {i: (b, b._version) for i, b in enumerate(self.B) if not b.any()}
+    def _mark_zero(self, zero: list[bool] | None = None) -> None:
+        """Record which B are zero now: ``zero`` per block if known, else one check per block
+        (outside any forward)."""
+        zero = zero if zero is not None else [not b.any() for b in self.B]
+        self._zero = {i: (b, b._version) for i, b in enumerate(self.B) if zero[i]}
 
     def _hook(self, layer: int):
         def hook(module, args, kwargs, output):
@@ -272,7 +274,7 @@ class ResidualAdapters:
                 raise ValueError(f"B[{i}] has shape {tuple(b.shape)}, expected {tuple(self.B[i].shape)}")
         zero = [not b.any() for b in bs]  # on the given tensors (usually on the CPU): no GPU sync
         self.B[:] = [b.to(dev, torch.float32, copy=True) for b, dev in zip(bs, self.devices, strict=True)]
-        self._zero = {i: (b, b._version) for i, b in enumerate(self.B) if zero[i]}
+        self._mark_zero(zero)
 
     def reset(self) -> None:
         for b in self.B:

@@ -26,7 +26,7 @@ import torch
 from .adapters import ResidualAdapters
 from .calibrate import Calibrator
 from .fit import block_groups, fit, stage2_pass
-from .graphs import BatchGraphs
+from .graphs import BatchGraphs, batch_graphs
 
 PHASES = ("forward", "backbone", "calibrate", "stage2", "stage2-eager", "full-run", "lora", "adapter-mezo",
           "mezo")
@@ -64,8 +64,7 @@ def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[st
         gen = torch.Generator().manual_seed(cfg.seed)
         b_start = [1e-3 * torch.randn(b.shape, generator=gen) for b in adapters.B]
         groups = block_groups(parts.num_blocks, cfg.groups)
-        use_graphs = cfg.cuda_graphs and BatchGraphs.supported(parts)
-        graphs = BatchGraphs(parts, adapters, batches) if use_graphs else None  # captured in the warm-up
+        graphs = batch_graphs(parts, adapters, batches) if cfg.cuda_graphs else None  # captured in warm-up
 
         def stage2_with(graphs: BatchGraphs | None) -> Callable[[], None]:
             def stage2() -> None:

@@ -29,7 +29,7 @@ from .calibrate import Calibrator, FeedbackMaps
 from .config import LocaConfig
 from .data.batching import Batch
 from .evaluation import completion_ce, reduce_ce
-from .graphs import BatchGraphs, fit_graphs
+from .graphs import BatchGraphs, batch_graphs
 from .head import head_loss_and_error
 from .metrics import TokenCE
 from .models import ModelParts
@@ -41,6 +41,14 @@ def block_groups(num_blocks: int, groups: int) -> list[list[int]]:
     groups = min(groups, num_blocks)
     bounds = [round(i * num_blocks / groups) for i in range(groups + 1)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(groups)]
+
+
+def _by_device(adapters: ResidualAdapters, blocks: Sequence[int]) -> dict[torch.device, list[int]]:
+    """``blocks`` grouped by the device they live on (in order)."""
+    out: dict[torch.device, list[int]] = {}
+    for l in blocks:
+        out.setdefault(adapters.devices[l], []).append(l)
+    return out
 
 
 def _batch_outputs(
@@ -84,19 +92,16 @@ def collect_statistics(
     each rank runs its share of the batches, and the statistics and CE sums are all-reduced once
     (float64) after the pass.
     """
-    by_device: dict[torch.device, list[int]] = {}
-    for l in blocks:
-        by_device.setdefault(adapters.devices[l], []).append(l)
+    by_device = _by_device(adapters, blocks)
     k = maps.rank
     stats = {dev: BlockStats.zeros(adapters.rank, k, dev, blocks=len(ls)) for dev, ls in by_device.items()}
     sigma = {dev: torch.stack([maps.sigma(l) for l in ls]) for dev, ls in by_device.items()}  # L × k
-    if graphs is not None:
-        consts = {parts.device: graphs.buffers(maps, blocks)}
-    else:  # per device: all V_k side by side (d × L·k), A stacked (L × r × d)
-        consts = {
-            dev: (torch.cat([maps.factors[l].v for l in ls], dim=1), torch.stack([adapters.A[l] for l in ls]))
-            for dev, ls in by_device.items()
-        }
+    consts = {  # per device: all V_k side by side (d × L·k), A stacked (L × r × d)
+        dev: (torch.cat([maps.factors[l].v for l in ls], dim=1), torch.stack([adapters.A[l] for l in ls]))
+        for dev, ls in by_device.items()
+    }
+    if graphs is not None:  # a graph reads them from fixed buffers (one device)
+        consts = {dev: graphs.fixed(tuple(blocks), *c) for dev, c in consts.items()}
 
     def outputs(batch: Batch) -> tuple:
         return _batch_outputs(parts, adapters, batch, blocks, by_device, consts)
@@ -133,10 +138,7 @@ def solve_blocks(
 ) -> None:  # fmt: skip
     """Replace ``B_l`` of every block in ``blocks`` by its ridge solve: one batched solve per
     device (:func:`loca.ridge.solve_block` on the stack)."""
-    by_device: dict[torch.device, list[int]] = {}
-    for l in blocks:
-        by_device.setdefault(adapters.devices[l], []).append(l)
-    for ls in by_device.values():
+    for ls in _by_device(adapters, blocks).values():
         gram, cross = (torch.stack([getattr(stats[l], f) for l in ls]) for f in ("gram", "cross"))
         stack = BlockStats(gram, cross)
         b = torch.stack([adapters.B[l] for l in ls])
@@ -237,7 +239,10 @@ class _Fit:
         self.parts, self.maps, self.train, self.heldout, self.cfg = parts, maps, train, heldout, cfg
         self.adapters, self.calibrator, self.on_iteration = adapters, calibrator, on_iteration
         self.groups = block_groups(parts.num_blocks, cfg.groups)
-        self.graphs = fit_graphs(parts, adapters, train, heldout) if cfg.cuda_graphs else None
+        self.train_graphs = self.heldout_graphs = None  # CUDA graphs, sharing one memory pool
+        if cfg.cuda_graphs:
+            self.train_graphs = batch_graphs(parts, adapters, train)
+            self.heldout_graphs = batch_graphs(parts, adapters, heldout, self.train_graphs)
         self.history: list[dict] = []
         self.start = start
         self.recalibrations, self.recalibration_s = 0, 0.0
@@ -249,7 +254,7 @@ class _Fit:
             self.on_iteration(row)
 
     def heldout_ce(self) -> float:
-        ce = completion_ce(self.parts, self.heldout, self.graphs and self.graphs[1]).mean
+        ce = completion_ce(self.parts, self.heldout, self.heldout_graphs).mean
         if not math.isfinite(ce):
             raise NonFiniteStatisticsError(f"held-out CE became {ce}")
         return ce
@@ -261,7 +266,7 @@ class _Fit:
         only, not on η."""
         train_ce, traj.stats0 = stage2_pass(
             self.parts, self.adapters, self.maps, self.train, traj.b, eta, traj.lam_rel, self.cfg,
-            self.groups, first=traj.stats0, graphs=self.graphs and self.graphs[0],
+            self.groups, first=traj.stats0, graphs=self.train_graphs,
         )  # fmt: skip
         return train_ce, self.heldout_ce()
 
@@ -362,7 +367,7 @@ def fit(
     state = _Fit(parts, maps, train, heldout, cfg, adapters, calibrator, on_iteration, start)
     zero = adapters.get_b()
     if resume is None:
-        frozen_ce = completion_ce(parts, heldout, state.graphs and state.graphs[1]).mean
+        frozen_ce = completion_ce(parts, heldout, state.heldout_graphs).mean
         if not math.isfinite(frozen_ce):
             adapters.detach()
             raise NonFiniteStatisticsError(f"the frozen model's held-out CE is {frozen_ce}")
@@ -487,5 +492,5 @@ def fit(
         wall_time_s=time.perf_counter() - start,
         recalibrations=state.recalibrations,
         recalibration_time_s=state.recalibration_s,
-        graph_capture_s=sum(g.capture_s for g in state.graphs or ()),
+        graph_capture_s=sum(g.capture_s for g in (state.train_graphs, state.heldout_graphs) if g is not None),
     )

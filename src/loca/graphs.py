@@ -6,8 +6,8 @@ bound by the CPU issuing kernels (~40 per block), not by arithmetic, so the laun
 paying once: a batch's forward with the adapters and the recording hooks, its head error and
 adapter codes (training) or its losses (held-out) are captured as one graph on the batch's first
 pass and replayed on every later one. The graphs read A, B and the maps' V from fixed buffers:
-B is copied in whenever it changed (:meth:`BatchGraphs.run` checks), V by
-:meth:`BatchGraphs.buffers` before each training pass.
+B is copied in whenever it changed (:meth:`BatchGraphs.run` checks), A and V by
+:meth:`BatchGraphs.fixed` before each training pass.
 
 Short batches are padded on the right to a multiple of :data:`BUCKET` tokens (masked), so that a
 fit meets few distinct shapes. Each graph's outputs are consumed before the next graph runs, so all
@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from .adapters import ResidualAdapters
-from .calibrate import FeedbackMaps
 from .data.batching import Batch
 from .models import ModelParts
 
@@ -39,7 +38,7 @@ class BatchGraphs:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(parts.device)  # capture needs a side stream
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self._static: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
+        self._fixed: dict[Hashable, tuple[Tensor, ...]] = {}
         self._warm = False
         self.capture_s = 0.0
 
@@ -49,16 +48,16 @@ class BatchGraphs:
         devices = {parts.device, *parts.block_devices()}
         return parts.device.type == "cuda" and len(devices) == 1
 
-    def buffers(self, maps: FeedbackMaps, blocks: Sequence[int]) -> tuple[Tensor, Tensor]:
-        """The fixed ``(V of all blocks side by side, A stacked)`` for ``blocks``, holding
-        ``maps``' V now. Call before each training pass (the maps may have been refitted)."""
-        key = tuple(blocks)
-        v = torch.cat([maps.factors[l].v for l in blocks], dim=1)
-        if key not in self._static:
-            self._static[key] = (v.clone(), torch.stack([self.adapters.A[l] for l in blocks]))
+    def fixed(self, key: Hashable, *tensors: Tensor) -> tuple[Tensor, ...]:
+        """Fixed buffers under ``key`` holding ``tensors``' current values (copies made on the
+        first call, refilled in place after), for a graph to read: call before each pass whose
+        graphs read them (the maps may have been refitted)."""
+        if key not in self._fixed:
+            self._fixed[key] = tuple(t.clone() for t in tensors)
         else:
-            self._static[key][0].copy_(v)
-        return self._static[key]
+            for buffer, t in zip(self._fixed[key], tensors, strict=True):
+                buffer.copy_(t)
+        return self._fixed[key]
 
     def run(self, index: int, fn: Callable[[Batch], tuple], key: Hashable = ()) -> tuple:
         """``fn(batch)`` for batch ``index`` through its graph (one per ``(index, key)``):
@@ -111,11 +110,10 @@ def _prepared(batch: Batch, parts: ModelParts) -> Batch:
                  batch.targets, batch.is_eos, batch.items)  # fmt: skip
 
 
-def fit_graphs(parts: ModelParts, adapters: ResidualAdapters, train: Sequence[Batch],
-               heldout: Sequence[Batch]) -> tuple[BatchGraphs, BatchGraphs] | None:  # fmt: skip
-    """Graphs for a fit's training and held-out batches sharing one pool, or None where graphs
-    do not apply (not one CUDA device)."""
+def batch_graphs(parts: ModelParts, adapters: ResidualAdapters, batches: Sequence[Batch],
+                 share: BatchGraphs | None = None) -> BatchGraphs | None:  # fmt: skip
+    """Graphs for ``batches`` (sharing ``share``'s memory pool, if given), or None where graphs do
+    not apply (not one CUDA device)."""
     if not BatchGraphs.supported(parts):
         return None
-    train_graphs = BatchGraphs(parts, adapters, train)
-    return train_graphs, BatchGraphs(parts, adapters, heldout, pool=train_graphs.pool)
+    return BatchGraphs(parts, adapters, batches, pool=share.pool if share is not None else None)
