@@ -39,12 +39,85 @@ def ratio(rows: dict, a: str, b: str, key: str) -> float | None:
     return rows[a][key] / rows[b][key] if a in rows and b in rows and rows[b][key] > 0 else None
 
 
+COLUMNS = {  # summary key -> (column, numerator, denominator, task, measure)
+    "full_run_peak_over_lora": ("full-run peak / LoRA peak (BoolQ)", "full-run", "lora", "boolq", "peak_mb"),
+    "calibrate_forward_passes": ("calibrate time (forward passes)", "calibrate", "forward", "boolq", "time"),
+    "stage2_over_forward_sst2": ("stage2 / forward, SST-2", "stage2", "forward", "sst2", "time"),
+    "stage2_eager_over_forward_sst2": ("(eager)", "stage2-eager", "forward", "sst2", "time"),
+    "stage2_over_forward_boolq": ("stage2 / forward, BoolQ", "stage2", "forward", "boolq", "time"),
+    "stage2_eager_over_forward_boolq": ("(eager)", "stage2-eager", "forward", "boolq", "time"),
+    "stage2_over_lora": ("stage2 / LoRA epoch (BoolQ)", "stage2", "lora", "boolq", "time"),
+    "stage2_eager_peak_over_backbone": ("stage2-eager peak / backbone peak (BoolQ)", "stage2-eager",
+                                        "backbone", "boolq", "peak_mb"),
+}  # fmt: skip
+PAIRED = {"stage2_over_forward_sst2": "stage2_eager_over_forward_sst2",  # shown as "graphs (eager)"
+          "stage2_over_forward_boolq": "stage2_eager_over_forward_boolq"}  # fmt: skip
+
+
+def fmt(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def summarise(points: dict, time_key: str = "time_s") -> dict:
+    """Per preset, the ratios of COLUMNS (times from ``time_key``: the median or ``time_s_min``)."""
+    out = {}
+    for preset in PRESETS:
+        row = {}
+        for key, (_, a, b, task, measure) in COLUMNS.items():
+            rows = points.get((preset, task), {}).get("rows", {})
+            row[key] = ratio(rows, a, b, time_key if measure == "time" else measure)
+        out[preset] = row
+    return out
+
+
+def table(summary: dict, cell) -> list[str]:
+    """A Markdown table of ``summary`` (``cell(row, key)`` formats one number), the eager time
+    ratios in brackets after the graphs' ones."""
+    keys = [k for k in COLUMNS if COLUMNS[k][0] != "(eager)"]
+    heads = [COLUMNS[k][0] + (" (eager)" if k in PAIRED else "") for k in keys]
+    lines = ["| preset | " + " | ".join(heads) + " |", "|" + "---|" * (len(keys) + 1)]
+    for preset, row in summary.items():
+        cells = [f"{cell(row, k)} ({cell(row, PAIRED[k])})" if k in PAIRED else cell(row, k) for k in keys]
+        lines.append(f"| {preset} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def stored(folder: Path) -> dict:
+    """The phase rows of a run already in ``folder`` ({} if there is none)."""
+    return bench(folder, [])["rows"] if (folder / "bench.json").is_file() else {}
+
+
+def load(out: Path) -> dict:
+    """The preset points already in ``out``."""
+    return {(p, t): {"rows": stored(out / f"{p}-{t}")} for p in PRESETS for t in ("boolq", "sst2")}
+
+
+def reproduce(out: Path, earlier: Path, points: dict) -> None:
+    """``reproduce.md``: every ratio as ``earlier → this run``, by median and by fastest repeat."""
+    before = load(earlier)
+    text = [f"Ratios of `{earlier}` → `{out}` (same command, two runs).", ""]
+    for key, what in (("time_s", "median"), ("time_s_min", "fastest repeat")):
+        a, b = summarise(before, key), summarise(points, key)
+        text += [f"Times by the {what} of the repeats:", ""]
+        text += table({p: (a[p], b[p]) for p in PRESETS}, lambda r, k: f"{fmt(r[0][k])} → {fmt(r[1][k])}")
+        text.append("")
+        text += ["| sequence length | stage2 / forward | (eager) |", "|---|---|---|"]
+        for length in LENGTHS:
+            rows = [stored(d / f"len-{length}") for d in (earlier, out)]
+            phases = ("stage2", "stage2-eager")
+            cells = [" → ".join(fmt(ratio(r, phase, "forward", key)) for r in rows) for phase in phases]
+            text.append(f"| {length} | " + " | ".join(cells) + " |")
+        text.append("")
+    (out / "reproduce.md").write_text("\n".join(text))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--n-train", default="128")
     ap.add_argument("--summary-only", action="store_true", help="only summarise the runs already in --out")
+    ap.add_argument("--against", help="an earlier OUT: write OUT/reproduce.md, its ratios beside this run's")
     args = ap.parse_args()
     out = Path(args.out)
     points = {}
@@ -64,31 +137,11 @@ def main() -> None:
         argv = ["--model", "arch:qwen2.5-1.5b", "--task", "sst2", "--synthetic-length", str(length),
                 "--n-train", "64", "--phases", LIGHT, "--repeats", "3", *COMMON]  # fmt: skip
         lengths[length] = bench(folder, argv)
-    columns = ["preset", "full-run peak / LoRA peak (BoolQ)", "calibrate time (forward passes)",
-               "stage2 / forward, SST-2 (eager)", "stage2 / forward, BoolQ (eager)",
-               "stage2 / LoRA epoch (BoolQ)", "stage2-eager peak / backbone peak (BoolQ)"]  # fmt: skip
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
-    summary = {}
-    for preset in PRESETS:
-        b, s = (points.get((preset, t), {}).get("rows", {}) for t in ("boolq", "sst2"))
-        row = {
-            "full_run_peak_over_lora": ratio(b, "full-run", "lora", "peak_mb"),
-            "calibrate_forward_passes": ratio(b, "calibrate", "forward", "time_s"),
-            "stage2_over_forward_sst2": ratio(s, "stage2", "forward", "time_s"),
-            "stage2_eager_over_forward_sst2": ratio(s, "stage2-eager", "forward", "time_s"),
-            "stage2_over_forward_boolq": ratio(b, "stage2", "forward", "time_s"),
-            "stage2_eager_over_forward_boolq": ratio(b, "stage2-eager", "forward", "time_s"),
-            "stage2_over_lora": ratio(b, "stage2", "lora", "time_s"),
-            "stage2_eager_peak_over_backbone": ratio(b, "stage2-eager", "backbone", "peak_mb"),
-        }
-        summary[preset] = row
-        cells = [preset, fmt(row["full_run_peak_over_lora"]), fmt(row["calibrate_forward_passes"]),
-                 f"{fmt(row['stage2_over_forward_sst2'])} ({fmt(row['stage2_eager_over_forward_sst2'])})",
-                 f"{fmt(row['stage2_over_forward_boolq'])} ({fmt(row['stage2_eager_over_forward_boolq'])})",
-                 fmt(row["stage2_over_lora"]), fmt(row["stage2_eager_peak_over_backbone"])]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+    summary = summarise(points)
+    lines = table(summary, lambda row, key: fmt(row[key]))
     (out / "presets.md").write_text("\n".join(lines) + "\n")
+    if args.against:
+        reproduce(out, Path(args.against), points)
     (out / "presets.json").write_text(json.dumps(summary, indent=2) + "\n")
     fig, axes = panel_grid(3)
     size = [PRESETS[p] for p in PRESETS if (p, "boolq") in points]

@@ -12,7 +12,7 @@ from loca.adapters import ResidualAdapters, adapter_a
 from loca.calibrate import FeedbackMaps, calibrate
 from loca.config import LocaConfig
 from loca.data.batching import Encoded, make_batches
-from loca.fit import block_groups, collect_statistics, fit
+from loca.fit import block_groups, collect_statistics, fit, solve_blocks
 from loca.ridge import FeedbackFactors, solve_block
 
 fit_mod = importlib.import_module("loca.fit")  # the module, not the re-exported function
@@ -55,6 +55,25 @@ def test_exact_gradient_feedback_moves_b_against_the_adapter_gradient(lam_rel, m
         grad = adapter_gradient(model, parts, batches[0], layer, 4, seed=1)
         cos = float((new_b.double() * -grad).sum() / (new_b.double().norm() * grad.norm()))
         assert cos > min_cos, (layer, cos)
+
+
+@pytest.mark.parametrize("budget_mb", [64.0, 1e-6])  # all blocks in one solve / one block at a time
+def test_solve_blocks_in_place_matches_each_blocks_solve(budget_mb):
+    model, parts = tiny_llama(hidden=32, layers=3)
+    items = short_prompt_items(12)
+    batches = make_batches(items, pad_id=0, batch_size=6)
+    maps = calibrate(parts, items, feedback_rank=8, beta_rel=1e-3, probe_micro_batch=12)
+    adapters = ResidualAdapters(parts, rank=4, seed=1).attach()
+    gen = torch.Generator().manual_seed(2)
+    adapters.set_b([1e-2 * torch.randn(b.shape, generator=gen) for b in adapters.B])
+    stats, _ = collect_statistics(parts, adapters, maps, batches, range(parts.num_blocks))
+    blocks = range(parts.num_blocks)
+    want = [solve_block(adapters.B[l], stats[l], maps.factors[l].us, 0.01, 1e-3) for l in blocks]
+    buffers = [b.data_ptr() for b in adapters.B]
+    solve_blocks(adapters, maps, stats, blocks, 0.01, 1e-3, "zero", budget_mb=budget_mb)
+    assert [b.data_ptr() for b in adapters.B] == buffers  # written in place, no second copy of B
+    for got, expected in zip(adapters.B, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
 
 
 def tiny_setup(n_train=48, n_heldout=24, seed=0):

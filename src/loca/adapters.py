@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from . import distributed
+from . import distributed, stacked
 from .io import atomic_dir, atomic_write_json
 from .models import ModelParts, at_positions, find_parts, fingerprint
 from .ridge import nystrom_top_eigenvectors
@@ -122,11 +122,12 @@ class ResidualAdapters:
             a = [adapter_a(seed, i, rank, d) for i in range(parts.num_blocks)]
         if len(a) != parts.num_blocks or any(x.shape != (rank, d) for x in a):
             raise ValueError(f"expected {parts.num_blocks} A matrices of shape ({rank}, {d})")
-        self.A = [x.to(dev, torch.float32) for x, dev in zip(a, self.devices, strict=True)]
-        self.B = [torch.zeros(d, rank, dtype=torch.float32, device=dev) for dev in self.devices]
+        # one buffer per device for A and one for B: a pass stacks them without copies
+        self.A = stacked.pack(a, self.devices, torch.float32)
+        self.B = stacked.pack([torch.zeros(d, rank)] * len(a), self.devices, torch.float32)
         self._handles: list = []
         self._recorder: Recorder | None = None
-        self._derived: dict[int, tuple] = {}  # per block: what is derived from B (see _b_state)
+        self._derived: dict[tuple, tuple] = {}  # per (A or B, block): its cast (see _b_state)
         self._static: list[tuple[Tensor, Tensor]] = []  # per block: fixed Aᵀ, Bᵀ (CUDA graphs)
         self._static_seen: list[tuple[Tensor, int]] = []  # the B (and version) copied in last
         self._use_static = False
@@ -216,23 +217,27 @@ class ResidualAdapters:
             self._use_static = False
 
     def _b_state(self, layer: int, dtype: torch.dtype) -> tuple[bool, Tensor, Tensor]:
-        """``(B_l may be non-zero, Aᵀ, Bᵀ)`` with A and B cast to ``dtype``, recomputed only when
-        B_l is replaced or edited in place (its version changes): casting on every forward would
-        cost a kernel launch per block. B_l counts as zero only while it is the tensor that
-        :meth:`reset` or :meth:`set_b` found zero, unedited since; testing its values here would
-        cost a device sync per block after every in-place edit (three per MeZO step). The cache
-        holds the B tensor itself, so its identity cannot be reused by another tensor."""
+        """``(B_l may be non-zero, Aᵀ, Bᵀ)`` with A and B cast to ``dtype``, each cast recomputed
+        only when its source is replaced or edited in place (its version changes): casting on
+        every forward would cost a kernel launch per block. B_l counts as zero only while it is the
+        tensor that :meth:`reset` or :meth:`set_b` found zero, unedited since; testing its values
+        here would cost a device sync per block after every in-place edit (three per MeZO step).
+        The cache holds the source tensor itself, so its identity cannot be reused by another."""
         if self._use_static:
             return True, *self._static[layer]
+        mode = (dtype, torch.is_inference_mode_enabled())  # an inference-mode cast cannot enter autograd
         b = self.B[layer]
-        cached = self._derived.get(layer)
-        key = (b._version, dtype, torch.is_inference_mode_enabled())  # an inference-mode cast
-        if cached is None or cached[0] is not b or cached[1] != key:  # cannot enter autograd
-            zero = self._zero.get(layer)
-            active = zero is None or zero[0] is not b or zero[1] != b._version
-            cached = (b, key, active, self.A[layer].T.to(dtype), b.T.to(dtype))
-            self._derived[layer] = cached
-        return cached[2], cached[3], cached[4]
+        zero = self._zero.get(layer)
+        active = zero is None or zero[0] is not b or zero[1] != b._version
+        return active, self._cast(("A", layer), self.A[layer], mode), self._cast(("B", layer), b, mode)
+
+    def _cast(self, key: tuple, source: Tensor, mode: tuple) -> Tensor:
+        """``sourceᵀ`` in ``mode``'s dtype, cached while ``source`` is unchanged."""
+        cached = self._derived.get(key)
+        if cached is None or cached[0] is not source or cached[1] != (source._version, *mode):
+            cached = (source, (source._version, *mode), source.T.to(mode[0]))
+            self._derived[key] = cached
+        return cached[2]
 
     def _mark_zero(self, zero: list[bool] | None = None) -> None:
         """Record which B are zero now: ``zero`` per block if known, else one check per block
@@ -273,7 +278,8 @@ class ResidualAdapters:
             if b.shape != self.B[i].shape:
                 raise ValueError(f"B[{i}] has shape {tuple(b.shape)}, expected {tuple(self.B[i].shape)}")
         zero = [not b.any() for b in bs]  # on the given tensors (usually on the CPU): no GPU sync
-        self.B[:] = [b.to(dev, torch.float32, copy=True) for b, dev in zip(bs, self.devices, strict=True)]
+        for dst, b in zip(self.B, bs, strict=True):  # in place: B keeps its buffer (no second copy)
+            dst.copy_(b)
         self._mark_zero(zero)
 
     def reset(self) -> None:

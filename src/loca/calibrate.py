@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, stacked
 from .adapters import check_fingerprint, read_json_object, read_safetensors
 from .config import LocaConfig
 from .data.batching import Encoded, make_batches
@@ -47,10 +47,13 @@ class FeedbackMaps:
         return self.factors[layer].us.norm(dim=0)
 
     def to_blocks(self, parts: ModelParts) -> FeedbackMaps:
-        """Move each block's factors to that block's device."""
+        """Copy each block's factors to that block's device, the blocks of a device as slices of one
+        buffer per factor (so a Stage II pass takes all of them side by side without a copy)."""
         devices = parts.block_devices()
-        moved = [FeedbackFactors(f.us.to(d), f.v.to(d)) for f, d in zip(self.factors, devices, strict=True)]
-        return FeedbackMaps(moved, self.fingerprint, self.meta)
+        us = stacked.pack([f.us for f in self.factors], devices, self.factors[0].us.dtype)
+        v = stacked.pack([f.v for f in self.factors], devices, self.factors[0].v.dtype, dim=1)  # side by side
+        factors = [FeedbackFactors(*p) for p in zip(us, v, strict=True)]
+        return FeedbackMaps(factors, self.fingerprint, self.meta)
 
     def nbytes(self) -> int:
         return sum(

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, stacked
 from .adapters import Recorder, ResidualAdapters, principal_a
 from .calibrate import Calibrator, FeedbackMaps
 from .config import LocaConfig
@@ -96,8 +96,8 @@ def collect_statistics(
     k = maps.rank
     stats = {dev: BlockStats.zeros(adapters.rank, k, dev, blocks=len(ls)) for dev, ls in by_device.items()}
     sigma = {dev: torch.stack([maps.sigma(l) for l in ls]) for dev, ls in by_device.items()}  # L × k
-    consts = {  # per device: all V_k side by side (d × L·k), A stacked (L × r × d)
-        dev: (torch.cat([maps.factors[l].v for l in ls], dim=1), torch.stack([adapters.A[l] for l in ls]))
+    consts = {  # per device: all V_k side by side (d × L·k), A stacked (L × r × d); views, not copies
+        dev: (stacked.cat([maps.factors[l].v for l in ls], dim=1), stacked.stack([adapters.A[l] for l in ls]))
         for dev, ls in by_device.items()
     }
     if graphs is not None:  # a graph reads them from fixed buffers (one device)
@@ -134,17 +134,21 @@ def collect_statistics(
 
 def solve_blocks(
     adapters: ResidualAdapters, maps: FeedbackMaps, stats: dict[int, BlockStats], blocks: Sequence[int],
-    eta: float, lam_rel: float, center: str,
+    eta: float, lam_rel: float, center: str, budget_mb: float = 64.0,
 ) -> None:  # fmt: skip
-    """Replace ``B_l`` of every block in ``blocks`` by its ridge solve: one batched solve per
-    device (:func:`loca.ridge.solve_block` on the stack)."""
-    for ls in _by_device(adapters, blocks).values():
-        gram, cross = (torch.stack([getattr(stats[l], f) for l in ls]) for f in ("gram", "cross"))
-        stack = BlockStats(gram, cross)
-        b = torch.stack([adapters.B[l] for l in ls])
-        us = torch.stack([maps.factors[l].us for l in ls])
-        for l, new in zip(ls, solve_block(b, stack, us, eta, lam_rel, center).unbind(0), strict=True):
-            adapters.B[l] = new
+    """Replace ``B_l`` of every block in ``blocks`` by its ridge solve, in place: batched solves
+    (:func:`loca.ridge.solve_block` on a stack) per device, over as many blocks at a time as keep
+    the solve's float64 d×r temporaries (about six per block) within ``budget_mb``."""
+    d, r = adapters.parts.hidden_size, adapters.rank
+    step = max(1, int(budget_mb * 2**20 // (6 * d * r * 8)))
+    for on_device in _by_device(adapters, blocks).values():
+        for i in range(0, len(on_device), step):
+            ls = on_device[i : i + step]
+            gram, cross = (stacked.stack([getattr(stats[l], f) for l in ls]) for f in ("gram", "cross"))
+            b = stacked.stack([adapters.B[l] for l in ls])
+            us = stacked.stack([maps.factors[l].us for l in ls])
+            new = solve_block(b, BlockStats(gram, cross), us, eta, lam_rel, center)
+            stacked.assign([adapters.B[l] for l in ls], new)
 
 
 def stage2_pass(
