@@ -56,3 +56,31 @@ def test_loss_only_skips_the_error():
     hn, w, y = torch.randn(3, 8), torch.randn(20, 8), torch.tensor([1, 2, 3])
     loss, e = head_loss_and_error(hn, w, None, y, need_error=False)
     assert e is None and loss.shape == (3,)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_low_precision_error_does_not_depend_on_the_chunking(bias):
+    """While the N×V logits fit WHOLE_BYTES, each pass is one matmul and the chunks only split
+    the float32 work: any chunking gives the one-chunk result (float32 rounding aside). Beyond it,
+    each chunk's error is rounded to the head's dtype on its own (a few bf16 ulps)."""
+    import loca.head as head
+
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 24, generator=gen).to(torch.bfloat16)
+    hn = torch.randn(10, 24, generator=gen).to(torch.bfloat16)
+    b = torch.randn(300, generator=gen).to(torch.bfloat16) if bias else None
+    y = torch.randint(0, 300, (10,), generator=gen)
+    one_loss, one_e = head_loss_and_error(hn, w, b, y, vocab_chunk=300)
+    want_loss, want_e = reference(hn, w, b, y, LogitTransform(), logits_dtype=torch.bfloat16)
+    torch.testing.assert_close(one_e.double(), want_e, atol=0.02, rtol=0.02)
+    for chunk in (64, 299):
+        loss, e = head_loss_and_error(hn, w, b, y, vocab_chunk=chunk)
+        torch.testing.assert_close(loss, one_loss, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(e, one_e, atol=1e-6, rtol=1e-6)
+        old, head.WHOLE_BYTES = head.WHOLE_BYTES, 0  # a matmul per chunk, as for a large N×V
+        try:
+            loss, e = head_loss_and_error(hn, w, b, y, vocab_chunk=chunk)
+        finally:
+            head.WHOLE_BYTES = old
+        torch.testing.assert_close(loss, one_loss, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(e.double(), want_e, atol=0.05, rtol=0.05)
