@@ -137,3 +137,38 @@ def test_compare_under_torchrun_matches_one_process(tmp_path):
         for key in ("test_ce", "acc", "heldout_ce"):
             assert two[key] == pytest.approx(one[key], rel=1e-5), (method, key)
     assert rows[("two", "adapter-mezo")]["test_ce"] > 0  # ran (its step count follows rank 0's clock)
+
+
+def _sum_worker(rank: int, world: int, store: str, result_file: str) -> None:
+    import torch.distributed as dist
+
+    from loca import distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1]
+    gen = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen),
+               torch.randn(2, 2, 2, generator=gen, dtype=torch.float64)[:, 0],  # a strided view
+               torch.randn(distributed.FLAT_BYTES // 8 + 1, generator=gen, dtype=torch.float64)]  # fmt: skip
+    sent = [t.clone() for t in tensors]
+    distributed.all_reduce_sum(*tensors)
+    dist.all_reduce = real
+    gathered = [None] * world
+    dist.all_gather_object(gathered, sent)
+    if rank == 0:
+        torch.save({"calls": calls, "got": tensors, "sent": gathered}, result_file)
+    dist.destroy_process_group()
+
+
+def test_all_reduce_sum_packs_small_tensors_into_one_collective(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sum_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "sum.pt")), nprocs=2)
+    out = torch.load(tmp_path / "sum.pt")
+    # the two small float64 tensors share one buffer; float32 and the large tensor go alone
+    assert sorted(out["calls"]) == sorted([12 + 4, 5, out["got"][3].numel()])
+    for i, got in enumerate(out["got"]):
+        want = out["sent"][0][i] + out["sent"][1][i]
+        assert got.dtype == want.dtype and torch.equal(got, want)

@@ -46,17 +46,39 @@ def owned(n: int) -> list[int]:
     return list(range(rank(), n, world_size())) if active() else list(range(n))
 
 
+FLAT_BYTES = 16 * 2**20  # tensors summed through one flat buffer up to this size in all
+
+
 def all_reduce_sum(*tensors: torch.Tensor) -> None:
-    """Sum each tensor over the ranks, in place (one collective per tensor; float64 stays)."""
+    """Sum each tensor over the ranks, in place (float64 stays). Small tensors of one device and
+    dtype go through one flat buffer (one collective for, e.g., all blocks' statistics)."""
     if not active():
         return
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
-        if dist.get_backend() == "nccl" and t.device.type != "cuda":
-            moved = t.cuda()
-            dist.all_reduce(moved)
-            t.copy_(moved)
-        else:
-            dist.all_reduce(t)
+        small = t.numel() * t.element_size() <= FLAT_BYTES
+        groups.setdefault((t.device, t.dtype) if small else ("alone", id(t)), []).append(t)
+    for group in groups.values():
+        total = sum(t.numel() * t.element_size() for t in group)
+        if len(group) == 1 or total > FLAT_BYTES:
+            for t in group:
+                _all_reduce(t)
+            continue
+        flat = torch.cat([t.reshape(-1) for t in group])
+        _all_reduce(flat)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _all_reduce(t: torch.Tensor) -> None:
+    if dist.get_backend() == "nccl" and t.device.type != "cuda":
+        moved = t.cuda()
+        dist.all_reduce(moved)
+        t.copy_(moved)
+    else:
+        dist.all_reduce(t)
 
 
 def all_reduce_numbers(values: list[float]) -> list[float]:

@@ -121,10 +121,11 @@ def collect_statistics(
     ce = TokenCE()
     if losses:
         ce.add(torch.cat(losses), torch.cat(eos))
-    for st in stats.values():  # data-parallel: one sum over the ranks per pass
-        distributed.all_reduce_sum(st.gram, st.cross)
-        st.positions = int(distributed.all_reduce_numbers([st.positions])[0])
+    # data-parallel: the statistics of all blocks in one sum over the ranks, the CE sums in another
+    distributed.all_reduce_sum(*[t for st in stats.values() for t in (st.gram, st.cross)])
     ce = reduce_ce(ce)
+    for st in stats.values():
+        st.positions = ce.tokens  # every block saw every predict position
     out = {}
     for dev, ls in by_device.items():
         for i, l in enumerate(ls):
