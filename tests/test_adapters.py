@@ -162,3 +162,29 @@ def test_disable_adapter_runs_the_frozen_model_and_generation_matches_uncached()
     with ad.disable_adapter():
         assert not torch.equal(model.generate(prompt, use_cache=True, **kw), cached)
     ad.detach()
+
+
+@pytest.mark.parametrize("budget_mb", [64.0, 1e-9])  # all blocks encoded at the end / each at once
+def test_recorder_codes_and_norms_are_those_of_the_gathered_rows(budget_mb):
+    from loca.adapters import Recorder
+
+    gen = torch.Generator().manual_seed(0)
+    batch, width, d, r = 3, 5, 8, 2
+    pos_b, pos_t = torch.tensor([0, 0, 2, 1]), torch.tensor([1, 4, 0, 3])
+    a = torch.randn(3, r, d, generator=gen)
+    cpu = torch.device("cpu")
+    rec = Recorder(pos_b, pos_t, width, {cpu: ([1, 2, 4], a)}, budget_mb=budget_mb)
+    assert rec.wants(2) and not rec.wants(0)
+    inputs = {l: torch.randn(batch, width, d, generator=gen, dtype=torch.float64) for l in (1, 2, 4)}
+    for l in (1, 2, 4):
+        rec.record(l, inputs[l])
+    p, sumsq = rec.codes_and_norms(cpu)
+    rows = torch.stack([inputs[l][pos_b, pos_t] for l in (1, 2, 4)])
+    assert p.dtype == sumsq.dtype == torch.float32  # statistics' inputs are float32
+    torch.testing.assert_close(p.double(), rows @ a.double().mT, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sumsq.double(), rows.pow(2).sum(dim=(1, 2)), rtol=1e-5, atol=1e-6)
+    out_of_order = Recorder(pos_b, pos_t, width, {cpu: ([1, 2, 4], a)})
+    out_of_order.record(2, inputs[2])
+    out_of_order.record(1, inputs[1])
+    with pytest.raises(RuntimeError, match="forward order"):
+        out_of_order.codes_and_norms(cpu)

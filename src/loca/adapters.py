@@ -76,37 +76,56 @@ def principal_a(parts: ModelParts, batches, rank: int, seed: int = 0, oversample
 
 
 class Recorder:
-    """Collects, during one forward pass, each recorded block's input rows ``h_{l-1}`` at the
-    predict positions (N×d, the hidden dtype): one gather per block and nothing else, so a GPU
-    pass adds one kernel launch per block for recording. :meth:`codes_and_norms` turns the rows of
-    all blocks into the adapter codes ``p = A h_{l-1}`` and the input norms in a few batched
-    kernels after the pass."""
+    """Collects, during one forward pass, each recorded block's adapter codes ``p = A h_{l-1}``
+    (float32) and input norm ``||h_{l-1}||²`` at the predict positions.
 
-    def __init__(self, pos_b: Tensor, pos_t: Tensor, width: int, blocks: set[int] | None = None):
-        """``width``: the batch's padded length T (flat index ``b·T + t`` of a position)."""
+    A hook only gathers the block's input rows (N×d, the hidden dtype: one kernel); whenever the
+    rows waiting on a device reach ``budget_mb`` they are turned into codes and norms for all of
+    those blocks at once (a few batched kernels), so a pass holds at most that much of them and a
+    GPU pays few launches for recording."""
+
+    def __init__(
+        self, pos_b: Tensor, pos_t: Tensor, width: int, stacks: dict[torch.device, tuple[list[int], Tensor]],
+        budget_mb: float = 1.0,
+    ):  # fmt: skip
+        """``width``: the batch's padded length T (flat index ``b·T + t`` of a position);
+        ``stacks``: per device, the blocks recorded there in forward order and their A stacked
+        (L×r×d, float32)."""
         self.flat = pos_b * width + pos_t
-        self.blocks = blocks
-        self.rows: dict[int, Tensor] = {}  # l -> h_{l-1} at the predict positions (N×d)
+        self.budget = budget_mb * 2**20
+        self.where = {l: (dev, i) for dev, (ls, _) in stacks.items() for i, l in enumerate(ls)}
+        self.a = {dev: a for dev, (_, a) in stacks.items()}
+        self.waiting: dict[torch.device, list[tuple[int, Tensor]]] = {dev: [] for dev in stacks}
+        self.done: dict[torch.device, list[tuple[Tensor, Tensor]]] = {dev: [] for dev in stacks}
 
     def wants(self, layer: int) -> bool:
-        return self.blocks is None or layer in self.blocks
+        return layer in self.where
 
     def record(self, layer: int, h_in: Tensor) -> None:
+        dev, i = self.where[layer]
         flat = self.flat if self.flat.device == h_in.device else self.flat.to(h_in.device)
-        self.rows[layer] = h_in.reshape(-1, h_in.shape[-1]).index_select(0, flat)
+        waiting = self.waiting[dev]
+        waiting.append((i, h_in.reshape(-1, h_in.shape[-1]).index_select(0, flat)))
+        if sum(r.numel() * r.element_size() for _, r in waiting) >= self.budget:
+            self._encode(dev)
 
-    def codes_and_norms(self, layers: list[int], a: Tensor, budget_mb: float = 64.0) -> tuple[Tensor, Tensor]:
-        """``(p, ||h||²)`` for ``layers`` (all on ``a``'s device): codes L×N×r (float32) with
-        ``a`` the stacked A (L×r×d, float32), and the squared Frobenius norm of each block's rows
-        (L). Blocks are taken in groups whose float32 rows fit ``budget_mb``."""
-        n, d = self.rows[layers[0]].shape
-        step = max(1, int(budget_mb * 2**20 // max(1, n * d * 4)))
-        codes, norms = [], []
-        for i in range(0, len(layers), step):
-            h = torch.stack([self.rows[l] for l in layers[i : i + step]]).float()  # G × N × d
-            codes.append(h @ a[i : i + step].mT)
-            norms.append(torch.linalg.vector_norm(h, dim=(-2, -1)).square())
-        return torch.cat(codes), torch.cat(norms)
+    def _encode(self, dev: torch.device) -> None:
+        waiting = self.waiting[dev]
+        if not waiting:
+            return
+        first = waiting[0][0]
+        if [i for i, _ in waiting] != list(range(first, first + len(waiting))):
+            raise RuntimeError("blocks were recorded out of their forward order")
+        h = torch.stack([r for _, r in waiting]).float()  # G × N × d
+        codes = h @ self.a[dev][first : first + len(waiting)].mT
+        self.done[dev].append((codes, torch.linalg.vector_norm(h, dim=(-2, -1)).square()))
+        waiting.clear()
+
+    def codes_and_norms(self, dev: torch.device) -> tuple[Tensor, Tensor]:
+        """``(p, ||h||²)`` of the blocks recorded on ``dev``: codes L×N×r and norms (L)."""
+        self._encode(dev)
+        done = self.done[dev]
+        return torch.cat([c for c, _ in done]), torch.cat([n for _, n in done])
 
 
 class ResidualAdapters:

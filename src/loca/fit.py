@@ -52,20 +52,20 @@ def _by_device(adapters: ResidualAdapters, blocks: Sequence[int]) -> dict[torch.
 
 
 def _batch_outputs(
-    parts: ModelParts, adapters: ResidualAdapters, b: Batch, blocks: Sequence[int],
-    by_device: dict[torch.device, list[int]], consts: dict[torch.device, tuple[Tensor, Tensor]],
+    parts: ModelParts, adapters: ResidualAdapters, b: Batch, by_device: dict[torch.device, list[int]],
+    consts: dict[torch.device, tuple[Tensor, Tensor]],
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]]]:  # fmt: skip
     """The per-batch part of a Stage II pass (what a CUDA graph captures): the forward with the
     adapters and the recording hooks, the head loss and error, and per device the codes
     ``p`` (L×N×r), input norms² (L) and projected errors ``y = E V_k`` (L×N×k)."""
-    recorder = Recorder(b.pos_b, b.pos_t, b.input_ids.shape[1], set(blocks))
-    with adapters.recording(recorder) as rec:
+    stacks = {dev: (ls, consts[dev][1]) for dev, ls in by_device.items()}
+    with adapters.recording(Recorder(b.pos_b, b.pos_t, b.input_ids.shape[1], stacks)) as rec:
         hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
     loss, e = head_loss_and_error(hn, parts.head.weight, parts.head.bias, b.targets, parts.transform)
     outs = []
     for dev, ls in by_device.items():
-        v_all, a_all = consts[dev]
-        p, h_sumsq = rec.codes_and_norms(ls, a_all)
+        v_all = consts[dev][0]
+        p, h_sumsq = rec.codes_and_norms(dev)
         e_dev = e if e.device == dev else e.to(dev)
         y = (e_dev @ v_all.to(e_dev.dtype)).view(-1, len(ls), v_all.shape[1] // len(ls)).transpose(0, 1)
         outs.append((p, h_sumsq, y))
@@ -85,12 +85,12 @@ def collect_statistics(
     """One forward pass: per-block statistics for ``blocks`` and the training CE before the update.
 
     The hooks only gather each block's input rows at the predict positions (one kernel per
-    block); the codes p = A h, the input norms and the statistics of all blocks on a device are
-    then computed as one stack (a few batched kernels per batch), and nothing is copied to the
-    host inside the loop, so a GPU never waits on Python. With ``graphs`` (made for these
-    ``batches``) each batch's forward, head error and codes replay a CUDA graph. Data-parallel:
-    each rank runs its share of the batches, and the statistics and CE sums are all-reduced once
-    (float64) after the pass.
+    block); the codes p = A h and input norms are formed for a few blocks at a time
+    (:class:`loca.adapters.Recorder`), the statistics of all blocks on a device as one stack,
+    and nothing is copied to the host inside the loop, so a GPU never waits on Python. With
+    ``graphs`` (made for these ``batches``) each batch's forward, head error and codes replay a
+    CUDA graph. Data-parallel: each rank runs its share of the batches, and the statistics and
+    CE sums are all-reduced once (float64) after the pass.
     """
     by_device = _by_device(adapters, blocks)
     k = maps.rank
@@ -104,7 +104,7 @@ def collect_statistics(
         consts = {dev: graphs.fixed(tuple(blocks), *c) for dev, c in consts.items()}
 
     def outputs(batch: Batch) -> tuple:
-        return _batch_outputs(parts, adapters, batch, blocks, by_device, consts)
+        return _batch_outputs(parts, adapters, batch, by_device, consts)
 
     losses, eos = [], []
     for index in distributed.owned(len(batches)):
