@@ -146,8 +146,8 @@ def main() -> None:
     fig, axes = panel_grid(3)
     size = [PRESETS[p] for p in PRESETS if (p, "boolq") in points]
     rows = [points[(p, "boolq")]["rows"] for p in PRESETS if (p, "boolq") in points]
-    for phase, style in (("forward", "o--"), ("stage2", "s-"), ("stage2-eager", "s:"), ("full-run", "d-"),
-                         ("lora", "^-")):  # fmt: skip
+    for phase, style in (("forward", "o--"), ("backbone", "x--"), ("stage2", "s-"), ("stage2-eager", "s:"),
+                         ("full-run", "d-"), ("lora", "^-")):  # fmt: skip
         axes[0].plot(size, [r[phase]["time_s"] / r["forward"]["time_s"] for r in rows], style, label=phase)
         axes[1].plot(size, [r[phase]["peak_mb"] / 1024 for r in rows], style, label=phase)
     panels = ((axes[0], "time / plain forward"), (axes[1], "peak memory beyond the model (GB)"))
