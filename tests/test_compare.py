@@ -130,3 +130,16 @@ def test_loca_variants_run_as_extra_methods_with_an_ablation_table(setup, tmp_pa
         from loca.compare import CompareSettings
 
         CompareSettings(loca_variants='{"x": {"learning_rate": 1}}')
+
+
+def test_loca_variants_file_is_read_once(tmp_path):
+    from loca.compare import CompareSettings
+
+    path = tmp_path / "variants.json"
+    path.write_text('{"wide": {"beta_rel": 1.0}}')
+    settings = CompareSettings(loca_variants=str(path))
+    path.write_text('{"other": {"beta_rel": 2.0}}')  # edited while a long comparison runs
+    assert settings.variants() == {"wide": {"beta_rel": 1.0}}
+    path.unlink()
+    with pytest.raises(ValueError, match="cannot read"):
+        CompareSettings(loca_variants=str(path))

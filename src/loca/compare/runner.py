@@ -82,10 +82,13 @@ class CompareSettings:
                                  f"got {self.mezo_time_budget!r}")  # fmt: skip
         if not self.loca_abs_etas or min(self.loca_abs_etas) <= 0:
             raise ValueError("loca_abs_etas must be positive")
-        self.variants()  # fails early on a malformed variant
+        self._variants = self._parse_variants()  # read once; fails early on a malformed variant
 
     def variants(self) -> dict[str, dict]:
         """The LoCA variants by name (overrides of the LoCA configuration)."""
+        return self._variants
+
+    def _parse_variants(self) -> dict[str, dict]:
         text = self.loca_variants.strip()
         if not text:
             return {}
