@@ -57,17 +57,14 @@ def test_two_gloo_processes_fit_what_one_process_fits(root, tmp_path, extra):
     assert names == sorted(p.name for p in one.iterdir())  # rank 1 wrote nothing extra
 
 
-def _worker(rank: int, world: int, store: str, result_file: str) -> None:
-    """One rank: calibrate and fit a float64 tiny model on the shared data; rank 0 saves B."""
+def _dp_setup(rank: int, world: int, store: str):
+    """One rank's process group, tiny float64 model, calibrated maps and batches."""
     import torch.distributed as dist
     from synthetic import sequences, tiny_llama
 
-    from loca.adapters import principal_a
     from loca.calibrate import Calibrator
     from loca.config import LocaConfig
     from loca.data.batching import make_batches
-    from loca.evaluation import completion_ce
-    from loca.fit import fit
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -79,6 +76,18 @@ def _worker(rank: int, world: int, store: str, result_file: str) -> None:
     cal = Calibrator(parts, train_items, heldout_items, cfg, pad_id=0)
     maps = cal.calibrate()
     train, heldout = make_batches(train_items, 0, 6), make_batches(heldout_items, 0, 6)
+    return parts, cal, maps, train, heldout, cfg
+
+
+def _worker(rank: int, world: int, store: str, result_file: str) -> None:
+    """One rank: calibrate and fit a float64 tiny model on the shared data; rank 0 saves B."""
+    import torch.distributed as dist
+
+    from loca.adapters import principal_a
+    from loca.evaluation import completion_ce
+    from loca.fit import fit
+
+    parts, _, maps, train, heldout, cfg = _dp_setup(rank, world, store)
     res = fit(parts, maps, train, heldout, cfg, progress=False)
     out = {
         "b": res.adapters.get_b(), "us": [f.us for f in maps.factors], "ce": res.heldout_ce,
@@ -172,3 +181,56 @@ def test_all_reduce_sum_packs_small_tensors_into_one_collective(tmp_path):
     for i, got in enumerate(out["got"]):
         want = out["sent"][0][i] + out["sent"][1][i]
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _resume_worker(rank: int, world: int, store: str, folder: str) -> None:
+    """Two ranks: a whole fit; then a fit stopped after iteration 2 (rank 0 writes the state, as
+    ``loca fit`` does) and resumed from that file on every rank."""
+    import torch.distributed as dist
+
+    from loca import distributed
+    from loca.checkpoint import load_fit_state, save_fit_state
+    from loca.fit import fit
+
+    parts, _, maps, train, heldout, cfg = _dp_setup(rank, world, store)
+    whole = fit(parts, maps, train, heldout, cfg, progress=False)
+    whole_b = whole.adapters.get_b()
+    whole.adapters.detach()
+
+    def save_then_stop(state):
+        if distributed.is_main():
+            save_fit_state(state, f"{folder}/state")
+        if state.iteration == 2:
+            raise _Stop
+
+    try:
+        fit(parts, maps, train, heldout, cfg, on_checkpoint=save_then_stop, progress=False)
+    except _Stop:
+        pass
+    distributed.barrier()
+    state = load_fit_state(f"{folder}/state", parts)
+    resumed = fit(parts, maps, train, heldout, cfg, resume=state, progress=False)
+    out = {"whole": (whole_b, whole.best_iteration, whole.heldout_ce, whole.history),
+           "resumed": (resumed.adapters.get_b(), resumed.best_iteration, resumed.heldout_ce, resumed.history),
+           "from": state.iteration}  # fmt: skip
+    resumed.adapters.detach()
+    if rank == 0:
+        torch.save(out, f"{folder}/result.pt")
+    dist.destroy_process_group()
+
+
+def test_a_data_parallel_fit_resumes_to_the_same_result(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_resume_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    out = torch.load(tmp_path / "result.pt")
+    assert out["from"] == 2
+    (wb, wit, wce, wh), (rb, rit, rce, rh) = out["whole"], out["resumed"]
+    assert (rit, rce) == (wit, wce) and wit > 0
+    strip = lambda h: [{k: v for k, v in r.items() if k not in ("time_s", "elapsed_s")} for r in h]  # noqa: E731
+    assert strip(rh) == strip(wh)
+    assert all(torch.equal(a, b) for a, b in zip(rb, wb, strict=True))
