@@ -91,7 +91,8 @@ class Recorder:
         """``width``: the batch's padded length T (flat index ``b·T + t`` of a position);
         ``stacks``: per device, the blocks recorded there in forward order and their A stacked
         (L×r×d, float32)."""
-        self.flat = pos_b * width + pos_t
+        flat = pos_b * width + pos_t
+        self.flat = {flat.device: flat}  # per device: moved once, not once per block
         self.budget = budget_mb * 2**20
         self.where = {l: (dev, i) for dev, (ls, _) in stacks.items() for i, l in enumerate(ls)}
         self.a = {dev: a for dev, (_, a) in stacks.items()}
@@ -103,7 +104,9 @@ class Recorder:
 
     def record(self, layer: int, h_in: Tensor) -> None:
         dev, i = self.where[layer]
-        flat = self.flat if self.flat.device == h_in.device else self.flat.to(h_in.device)
+        flat = self.flat.get(h_in.device)
+        if flat is None:
+            flat = self.flat[h_in.device] = next(iter(self.flat.values())).to(h_in.device)
         waiting = self.waiting[dev]
         waiting.append((i, h_in.reshape(-1, h_in.shape[-1]).index_select(0, flat)))
         if sum(r.numel() * r.element_size() for _, r in waiting) >= self.budget:

@@ -272,10 +272,10 @@ def _method_config(method: str, configs: MethodConfigs, s: CompareSettings, seed
 def _prepare(pipeline: Pipeline, s: CompareSettings) -> CellData:
     """The cell's data, encoded and batched by the pipeline (as `loca fit` does)."""
     train_items, heldout_items = pipeline.encoded()
+    train, heldout = pipeline.batched()
     return CellData(
         parts=pipeline.parts, tokenizer=pipeline.tokenizer, task=pipeline.task, splits=pipeline.splits,
-        train_items=train_items, heldout_items=heldout_items, train=pipeline.batched()[0],
-        heldout=pipeline.batched()[1],
+        train_items=train_items, heldout_items=heldout_items, train=train, heldout=heldout,
         minibatches=make_batches(train_items, pipeline.pad_id, s.train_batch_size), pad_id=pipeline.pad_id,
         seed=pipeline.cfg.seed, pipeline=pipeline,
     )  # fmt: skip
