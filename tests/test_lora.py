@@ -157,6 +157,23 @@ def test_unload_restores_the_model_bit_identically(parts, task):
     assert module_tree(parts.model) == tree
 
 
+def test_last_iterate_without_selection(parts, task):
+    """select=False (lora-paper): the model keeps its last state, which is what the result reports."""
+    _, train, heldout = task
+    s = settings(lrs=[1.0], epochs=6, eval_every=1, select=False)  # overshoots: the last is not the best
+    with fit_lora(parts, train, heldout, s, progress=False) as run:
+        res = run.result
+        last = res.history[-1]
+        assert res.best_step == last["step"] == 6 * len(train) and res.step_unit == "step"
+        assert res.heldout_ce == last["heldout_ce"] > min(r["heldout_ce"] for r in res.history)
+        assert res.selected == {"lr": 1.0} and res.extra["last_iterate"] is True
+        assert res.improved == (res.heldout_ce < res.frozen_heldout_ce)
+        assert res.time_to_best_s == last["elapsed_s"]
+        assert completion_ce(parts, heldout).mean == last["heldout_ce"]  # the model is at the last step
+    with pytest.raises(ValueError, match="one learning rate"):
+        LoraSettings(lrs=[1e-3, 1e-2], select=False)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -18,16 +18,24 @@ from tqdm.auto import tqdm
 from . import distributed, stacked
 from .adapters import check_fingerprint, read_json_object, read_safetensors
 from .config import LocaConfig
-from .data.batching import Encoded, make_batches
+from .data.batching import ROLES, Encoded, make_batches
 from .head import head_loss_and_error
 from .io import atomic_dir, atomic_write_json
 from .models import ModelParts, at_positions, fingerprint
-from .ridge import FeedbackFactors, alignment, feedback_factors, random_factors
+from .ridge import (
+    FeedbackFactors,
+    alignment,
+    feedback_factors,
+    gate_mask,
+    gated_feedback_factors,
+    random_factors,
+)
 from .versions import versions
 
 _DEFAULTS = LocaConfig()  # the keyword defaults below are LocaConfig's
 MAPS_WEIGHTS = "feedback_maps.safetensors"
 MAPS_CONFIG = "feedback_config.json"
+GATES = {"none": 1, "role": len(ROLES)}  # feedback_gate -> number of maps per block
 
 
 @dataclass
@@ -39,8 +47,27 @@ class FeedbackMaps:
     meta: dict = field(default_factory=dict)
 
     @property
-    def rank(self) -> int:
+    def gate(self) -> str:
+        """How a position picks its map: 'none' (one map) or 'role' (one per :data:`ROLES`)."""
+        return self.meta.get("feedback_gate", "none")
+
+    @property
+    def gates(self) -> int:
+        return GATES[self.gate]
+
+    @property
+    def width(self) -> int:
+        """Columns of the side-by-side factors: gates × rank (the Stage II statistics' k)."""
         return self.factors[0].v.shape[1]
+
+    @property
+    def rank(self) -> int:
+        """Rank k of each map."""
+        return self.width // self.gates
+
+    def mask(self, roles: Tensor, dtype: torch.dtype = torch.float32) -> Tensor | None:
+        """N × width: the columns of each position's map (None for one map)."""
+        return None if self.gates == 1 else gate_mask(roles, self.gates, self.rank, dtype)
 
     def sigma(self, layer: int) -> Tensor:
         """Singular values of block ``layer``'s map (the column norms of U_k Σ_k)."""
@@ -97,6 +124,9 @@ class FeedbackMaps:
         if not all(torch.isfinite(f.us).all() and torch.isfinite(f.v).all() for f in factors):
             raise ValueError(f"{directory / MAPS_WEIGHTS}: holds NaN or Inf values")
         meta = {k: v for k, v in cfg.items() if k not in ("format", "version", "fingerprint")}
+        gate = meta.get("feedback_gate", "none")
+        if gate not in GATES or factors[0].v.shape[1] % GATES[gate]:
+            raise ValueError(f"{cfg_path}: feedback_gate {gate!r} does not match the maps' shape")
         maps = cls(factors, cfg["fingerprint"], meta)
         return maps.to_blocks(parts) if parts is not None else maps
 
@@ -207,13 +237,29 @@ def probe_token_budget(parts: ModelParts, items: Sequence[Encoded], pad_id: int,
     return max(tokens, int(memory_mb / (mem.peak_mb / tokens)))
 
 
-def _pooled(pool: list[tuple[Tensor, list[Tensor]]]) -> tuple[Tensor, list[Tensor]]:
-    """Stack several probes' errors and gradients, each probe's rows scaled by 1/RMS(E)."""
-    scales = [1.0 / max(float(e.pow(2).mean().sqrt()), 1e-30) for e, _ in pool]
-    errors = torch.cat([c * e for c, (e, _) in zip(scales, pool, strict=True)])
+def probe_roles(items: Sequence[Encoded], pad_id: int) -> Tensor:
+    """The role (:data:`loca.data.batching.ROLES`) of each row :func:`probe_gradients` returns
+    for ``items`` (rows come in one order whatever the micro-batches)."""
+    return make_batches(items, pad_id, batch_size=len(items))[0].roles
+
+
+def _pooled(pool: list[tuple[Tensor, list[Tensor], Tensor]]) -> tuple[Tensor, list[Tensor], Tensor]:
+    """Stack several probes' errors, gradients and roles, each probe's rows scaled by 1/RMS(E)."""
+    scales = [1.0 / max(float(e.pow(2).mean().sqrt()), 1e-30) for e, _, _ in pool]
+    errors = torch.cat([c * e for c, (e, _, _) in zip(scales, pool, strict=True)])
     blocks = len(pool[0][1])
-    grads = [torch.cat([c * g[l] for c, (_, g) in zip(scales, pool, strict=True)]) for l in range(blocks)]
-    return errors, grads
+    grads = [torch.cat([c * g[l] for c, (_, g, _) in zip(scales, pool, strict=True)]) for l in range(blocks)]
+    return errors, grads, torch.cat([r for _, _, r in pool])
+
+
+def fit_factors(errors: Tensor, grads: list[Tensor], roles: Tensor, gate: str, beta_rel: float,
+                rank: int) -> list[FeedbackFactors]:  # fmt: skip
+    """Every block's map(s) from probe rows: one map, or one per role (``gate='role'``)."""
+    if gate == "none":
+        return feedback_factors(errors, grads, beta_rel, rank)
+    if gate not in GATES:
+        raise ValueError(f"feedback_gate must be one of {sorted(GATES)}, got {gate!r}")
+    return gated_feedback_factors(errors, grads, roles, GATES[gate], beta_rel, rank)
 
 
 def _grad_capture_hook(captured: dict[int, Tensor], pos_b: Tensor, pos_t: Tensor, layer: int):
@@ -248,6 +294,7 @@ def calibrate(
     *,
     feedback_rank: int = _DEFAULTS.feedback_rank,
     beta_rel: float = _DEFAULTS.beta_rel,
+    feedback_gate: str = _DEFAULTS.feedback_gate,
     probe_micro_batch: int = _DEFAULTS.probe_micro_batch,
     probe_checkpoint: bool = _DEFAULTS.probe_checkpoint,
     probe_memory_mb: float = _DEFAULTS.probe_memory_mb,
@@ -272,16 +319,20 @@ def calibrate(
     try:
         errors, grads = probe_gradients(parts, probe, probe_micro_batch, pad_id, progress, probe_checkpoint,
                                         probe_memory_mb)  # fmt: skip
+        roles = probe_roles(probe, pad_id).to(errors.device)
         if pool is None:
-            factors = feedback_factors(errors, grads, beta_rel, feedback_rank)
+            factors = fit_factors(errors, grads, roles, feedback_gate, beta_rel, feedback_rank)
         else:
-            pool.append((errors, grads))
-            factors = feedback_factors(*_pooled(pool), beta_rel, feedback_rank)
+            pool.append((errors, grads, roles))
+            factors = fit_factors(*_pooled(pool), feedback_gate, beta_rel, feedback_rank)
+        gates = GATES[feedback_gate]
+        rank = factors[0].v.shape[1] // gates
+        mask = None if gates == 1 else gate_mask(roles, gates, rank)
         gen = torch.Generator().manual_seed(seed)
         d = parts.hidden_size
-        random_maps = [random_factors(d, factors[0].v.shape[1], gen) for _ in factors]
+        random_maps = [random_factors(d, rank, gen) for _ in factors]
         diag = {
-            "probe": [alignment(f, errors, g) for f, g in zip(factors, grads, strict=True)],
+            "probe": [alignment(f, errors, g, mask) for f, g in zip(factors, grads, strict=True)],
             "random": [
                 alignment(r.to_device(errors.device), errors, g)
                 for r, g in zip(random_maps, grads, strict=True)
@@ -292,7 +343,9 @@ def calibrate(
                 parts, heldout_probe, probe_micro_batch, pad_id, recompute=probe_checkpoint,
                 memory_mb=probe_memory_mb,
             )  # fmt: skip
-            diag["heldout"] = [alignment(f, h_err, g) for f, g in zip(factors, h_grads, strict=True)]
+            h_roles = probe_roles(heldout_probe, pad_id)
+            h_mask = None if gates == 1 else gate_mask(h_roles, gates, rank)
+            diag["heldout"] = [alignment(f, h_err, g, h_mask) for f, g in zip(factors, h_grads, strict=True)]
     finally:
         parts.model.train(was_training)
     if max(diag["probe"]) <= 0:
@@ -304,7 +357,8 @@ def calibrate(
         )
     meta = {
         "probes_pooled": len(pool) if pool is not None else 1,
-        "feedback_rank": factors[0].v.shape[1],
+        "feedback_rank": rank,
+        "feedback_gate": feedback_gate,
         "beta_rel": beta_rel,
         "probe_sequences": len(probe),
         "probe_positions": int(errors.shape[0]),
@@ -369,7 +423,7 @@ class Calibrator:
         cfg = self.cfg
         return calibrate(
             self.parts, self.probe, self.heldout_probe, feedback_rank=cfg.feedback_rank,
-            beta_rel=cfg.beta_rel, probe_micro_batch=cfg.probe_micro_batch,
+            beta_rel=cfg.beta_rel, feedback_gate=cfg.feedback_gate, probe_micro_batch=cfg.probe_micro_batch,
             probe_checkpoint=cfg.probe_checkpoint, probe_memory_mb=cfg.probe_memory_mb, pad_id=self.pad_id,
             seed=cfg.seed, pool=pool, progress=self.progress,
         )  # fmt: skip
@@ -388,5 +442,9 @@ class Calibrator:
             )
         finally:
             self.parts.model.train(was_training)
+        roles = probe_roles(self.heldout_probe, self.pad_id)
         pairs = zip(maps.factors, grads, strict=True)
-        return [alignment(f, err.to(f.v.device), g.to(f.v.device)) for f, g in pairs]
+        return [
+            alignment(f, err.to(f.v.device), g.to(f.v.device), maps.mask(roles.to(f.v.device)))
+            for f, g in pairs
+        ]

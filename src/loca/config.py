@@ -34,6 +34,14 @@ class LocaConfig:
     beta_rel: float = option(
         1.0, "relative ridge of the feedback fit: β = β_rel·trace(EᵀE)/d", section="calibration"
     )
+    feedback_gate: str = option(
+        "none",
+        "which map a predict position's head error goes through: 'none' = one map per block (the "
+        "paper); 'role' = one map per block and position role (the prompt's last position, inside "
+        "the completion, the position predicting EOS), each fitted on its role's probe rows",
+        section="calibration",
+        choices=("none", "role"),
+    )
     lam_rel: list[float] = option(
         [1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r",
         section="fit",
@@ -150,6 +158,7 @@ class LocaConfig:
             "rank": self.rank >= 1,
             "feedback_rank": self.feedback_rank >= 1,
             "beta_rel": self.beta_rel > 0 and ok(self.beta_rel),
+            "feedback_gate": self.feedback_gate in ("none", "role"),
             "lam_rel": bool(self.lam_rel) and all(x > 0 and ok(x) for x in self.lam_rel),
             "etas": bool(self.etas) and all(x > 0 and ok(x) for x in self.etas),
             "step_scale": self.step_scale in ("rms", "absolute"),
@@ -201,7 +210,7 @@ class LocaConfig:
 # trajectories, one calibration); it stays reproducible whatever the defaults become.
 PRESETS: dict[str, dict] = {
     "paper": dict(
-        rank=32, feedback_rank=8, beta_rel=1e-3, lam_rel=[1e-3], ridge_center="zero",
+        rank=32, feedback_rank=8, beta_rel=1e-3, feedback_gate="none", lam_rel=[1e-3], ridge_center="zero",
         etas=[0.003, 0.01, 0.03],
         step_scale="rms", step_control="fixed", a_init="random", recalibrate_every=0, calibration_rounds=1,
         max_iters=40, patience=3, groups=1, probe_positions=1000,

@@ -52,8 +52,8 @@ def _by_device(adapters: ResidualAdapters, blocks: Sequence[int]) -> dict[torch.
 
 
 def _batch_outputs(
-    parts: ModelParts, adapters: ResidualAdapters, b: Batch, by_device: dict[torch.device, list[int]],
-    consts: dict[torch.device, tuple[Tensor, Tensor]],
+    parts: ModelParts, adapters: ResidualAdapters, maps: FeedbackMaps, b: Batch,
+    by_device: dict[torch.device, list[int]], consts: dict[torch.device, tuple[Tensor, Tensor]],
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]]]:  # fmt: skip
     """The per-batch part of a Stage II pass (what a CUDA graph captures): the forward with the
     adapters and the recording hooks, the head loss and error, and per device the codes
@@ -62,12 +62,15 @@ def _batch_outputs(
     with adapters.recording(Recorder(b.pos_b, b.pos_t, b.input_ids.shape[1], stacks)) as rec:
         hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t)
     loss, e = head_loss_and_error(hn, parts.head.weight, parts.head.bias, b.targets, parts.transform)
+    mask = maps.mask(b.roles)  # gated maps: each position's own map's columns
     outs = []
     for dev, ls in by_device.items():
         v_all = consts[dev][0]
         p, h_sumsq = rec.codes_and_norms(dev)
         e_dev = e if e.device == dev else e.to(dev)
         y = (e_dev @ v_all.to(e_dev.dtype)).view(-1, len(ls), v_all.shape[1] // len(ls)).transpose(0, 1)
+        if mask is not None:
+            y = y * mask.to(device=dev, dtype=y.dtype)
         outs.append((p, h_sumsq, y))
     return loss, outs
 
@@ -93,7 +96,7 @@ def collect_statistics(
     CE sums are all-reduced once (float64) after the pass.
     """
     by_device = _by_device(adapters, blocks)
-    k = maps.rank
+    k = maps.width  # gated maps: their columns side by side
     stats = {dev: BlockStats.zeros(adapters.rank, k, dev, blocks=len(ls)) for dev, ls in by_device.items()}
     sigma = {dev: torch.stack([maps.sigma(l) for l in ls]) for dev, ls in by_device.items()}  # L × k
     consts = {  # per device: all V_k side by side (d × L·k), A stacked (L × r × d); views, not copies
@@ -104,7 +107,7 @@ def collect_statistics(
         consts = {dev: graphs.fixed(tuple(blocks), *c) for dev, c in consts.items()}
 
     def outputs(batch: Batch) -> tuple:
-        return _batch_outputs(parts, adapters, batch, by_device, consts)
+        return _batch_outputs(parts, adapters, maps, batch, by_device, consts)
 
     losses, eos = [], []
     for index in distributed.owned(len(batches)):

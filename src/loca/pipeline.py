@@ -216,10 +216,10 @@ class Pipeline:
     def load_maps(self, directory: str | Path) -> FeedbackMaps:
         """Maps saved by ``loca calibrate`` (or a fit), checked against this run: the same
         checkpoint, the same task, and no probe example among this run's held-out or test ones.
-        The run's ``feedback_rank`` and ``beta_rel`` become the maps'."""
+        The run's ``feedback_rank``, ``feedback_gate`` and ``beta_rel`` become the maps'."""
         maps = FeedbackMaps.from_pretrained(directory, self.parts)
         check_maps_data(maps, self.task.name, self.splits, str(directory))
-        self.cfg = replace(self.cfg, feedback_rank=maps.rank,
+        self.cfg = replace(self.cfg, feedback_rank=maps.rank, feedback_gate=maps.gate,
                            beta_rel=maps.meta.get("beta_rel", self.cfg.beta_rel))  # fmt: skip
         self._calibrator = None  # built again with the maps' settings
         return maps

@@ -47,9 +47,11 @@ class FeedbackFactors:
     def to_device(self, device: torch.device | str) -> FeedbackFactors:
         return FeedbackFactors(self.us.to(device), self.v.to(device))
 
-    def apply(self, errors: Tensor) -> Tensor:
-        """Map head errors (N×d) to predicted hidden-state gradients (N×d)."""
-        return (errors @ self.v) @ self.us.T
+    def apply(self, errors: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Map head errors (N×d) to predicted hidden-state gradients (N×d). ``mask`` (N×width, see
+        :func:`gate_mask`) picks each position's own map when several sit side by side."""
+        y = errors @ self.v
+        return (y if mask is None else y * mask.to(y)) @ self.us.T
 
 
 def feedback_factors(
@@ -91,9 +93,40 @@ def feedback_factors(
     return out
 
 
-def alignment(factors: FeedbackFactors, errors: Tensor, grads: Tensor) -> float:
+def gate_mask(roles: Tensor, gates: int, rank: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """N × gates·rank: row t is 1 in the ``rank`` columns of its role's map, 0 elsewhere."""
+    return torch.nn.functional.one_hot(roles.long(), gates).to(dtype).repeat_interleave(rank, dim=1)
+
+
+def gated_feedback_factors(
+    errors: Tensor, grads: Sequence[Tensor], roles: Tensor, gates: int, beta_rel: float, rank: int
+) -> list[FeedbackFactors]:
+    """One map per position role, fitted on that role's rows alone (:func:`feedback_factors`), the
+    ``gates`` maps of a block side by side (d × gates·k), so that a position's map is picked by
+    :func:`gate_mask`. A role with fewer than ``rank`` probe rows gets the map fitted on all rows
+    (a task without that role, e.g. one-token answers, never uses it)."""
+    if roles.shape[0] != errors.shape[0]:
+        raise ValueError(f"{roles.shape[0]} roles for {errors.shape[0]} probe positions")
+    roles = roles.to(errors.device)
+    shared: list[FeedbackFactors] | None = None
+    per_role = []
+    for m in range(gates):
+        idx = (roles == m).nonzero().flatten()
+        if idx.numel() >= rank:
+            per_role.append(feedback_factors(errors[idx], [g[idx] for g in grads], beta_rel, rank))
+        else:
+            shared = shared or feedback_factors(errors, grads, beta_rel, rank)
+            per_role.append(shared)
+    widths = {f.v.shape[1] for maps in per_role for f in maps}
+    if len(widths) != 1:
+        raise ValueError(f"the per-role maps have ranks {sorted(widths)}: too few probe positions")
+    side_by_side = lambda l, f: torch.cat([getattr(m[l], f) for m in per_role], 1)  # noqa: E731
+    return [FeedbackFactors(us=side_by_side(l, "us"), v=side_by_side(l, "v")) for l in range(len(grads))]
+
+
+def alignment(factors: FeedbackFactors, errors: Tensor, grads: Tensor, mask: Tensor | None = None) -> float:
     """Frobenius cosine between the mapped errors ``F E^T`` and the true gradients ``G^T``."""
-    pred = factors.apply(errors.to(factors.v.dtype)).double()
+    pred = factors.apply(errors.to(factors.v.dtype), mask).double()
     g = grads.double()
     denom = float(pred.norm() * g.norm())
     return float((pred * g).sum()) / denom if denom > 0 else 0.0

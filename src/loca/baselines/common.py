@@ -8,6 +8,7 @@ positions), and is selected by the same held-out CE (:func:`loca.evaluation.comp
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,14 @@ from ..models import ModelParts
 def completion_loss(parts: ModelParts, batch: Batch) -> torch.Tensor:
     """Mean per-token CE over the batch's completion tokens (differentiable when grad is on)."""
     return position_losses(parts, batch).mean()
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    """The seeded order of ``n`` training batches in ``epoch`` (1-based), the same for every
+    candidate: the backprop baselines (LoRA, Adapter-BP) see the batches in one order per seed."""
+    key = hashlib.sha256(f"loca-lora-shuffle:{seed}:{epoch}".encode()).digest()[:8]
+    gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
+    return torch.randperm(n, generator=gen).tolist()
 
 
 @dataclass
@@ -107,7 +116,26 @@ class HeldoutSelector:
         if self.best_state is not None:
             self.restore(self.best_state)
 
-    def result(self, method: str, step_unit: str, **extra) -> MethodResult:
+    def result(self, method: str, step_unit: str, last_iterate: bool = False, **extra) -> MethodResult:
+        """The selected state's record; ``last_iterate``: the last evaluation's instead (a method
+        that keeps its final state, selecting nothing; ``improved`` then means it beats the frozen
+        model's held-out CE)."""
+        if last_iterate and len(self.history) > 1:
+            last = self.history[-1]
+            ce = last["heldout_ce"]
+            return MethodResult(
+                method=method,
+                frozen_heldout_ce=float(self.frozen_ce),
+                heldout_ce=ce,
+                selected=dict(last["candidate"] or {}),
+                best_step=last["step"],
+                step_unit=step_unit,
+                improved=math.isfinite(ce) and ce < self.frozen_ce,
+                time_to_best_s=last["elapsed_s"],
+                wall_time_s=self.elapsed(),
+                history=self.history,
+                extra={**extra, "last_iterate": True},
+            )
         improved = self.best_candidate is not None
         return MethodResult(
             method=method,

@@ -2,7 +2,8 @@
 
 LoRA trains on the same batches as LoCA with the same loss (:func:`~.common.completion_loss`) and
 is selected by the same held-out CE (:class:`~.common.HeldoutSelector`) over learning rates and
-epochs, the frozen model included. The LoRA layers are injected into ``parts.blocks`` in place
+epochs, the frozen model included (``select=False``: the paper's protocol, the last iterate of
+one learning rate, no selection). The LoRA layers are injected into ``parts.blocks`` in place
 (``peft.inject_adapter_in_model``), so ``parts.backbone``, ``parts.blocks`` and
 ``parts.final_hidden`` keep working and run through them; :meth:`LoraRun.unload` puts the
 original modules back. ``peft`` is imported only when a fit starts (the ``baselines`` extra).
@@ -10,7 +11,6 @@ original modules back. ``peft`` is imported only when a fit starts (the ``baseli
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..config import option
 from ..data.batching import Batch
 from ..models import ModelParts
-from .common import HeldoutSelector, MethodResult, completion_loss
+from .common import HeldoutSelector, MethodResult, completion_loss, epoch_order
 
 ADAPTER_NAME = "default"
 
@@ -43,6 +43,11 @@ class LoraSettings:
     weight_decay: float = option(0.0, "AdamW weight decay of the LoRA parameters")
     grad_clip: float = option(1.0, "clip the LoRA gradient's global norm to this; 0 = no clipping")
     seed: int = option(0, "seed of the LoRA init, the batch order and dropout")
+    select: bool = option(
+        True,
+        "keep the best held-out snapshot (lr × evaluation point); False: keep the last iterate of "
+        "the single lr (the paper's protocol; the held-out CE is still measured)",
+    )
 
     def __post_init__(self) -> None:
         self.lrs = [float(x) for x in self.lrs]
@@ -61,6 +66,9 @@ class LoraSettings:
             "seed": self.seed >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
+        if not bad and not self.select and len(self.lrs) != 1:
+            raise ValueError(f"LoraSettings(select=False) keeps the last iterate of one learning rate; "
+                             f"got lrs={self.lrs}")  # fmt: skip
         if bad:
             raise ValueError(
                 f"invalid LoraSettings values: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
@@ -85,11 +93,6 @@ def _linear_names(blocks: nn.Module) -> list[str]:
         if n and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
     }
     return sorted(names)
-
-
-def _shuffle_seed(seed: int, epoch: int) -> int:
-    key = hashlib.sha256(f"loca-lora-shuffle:{seed}:{epoch}".encode()).digest()[:8]
-    return int.from_bytes(key, "little") & (2**63 - 1)
 
 
 class LoraRun:
@@ -195,16 +198,19 @@ def fit_lora(
     every epoch (``step_unit`` "epoch") or every ``eval_every`` optimizer steps and at the end
     (``step_unit`` "step"). A non-finite training loss or held-out CE stops a candidate. The best
     state over all candidates and evaluations, the frozen model included, is restored in a
-    ``finally``; on an exception the LoRA layers are removed before it propagates. Returns the
-    :class:`LoraRun` that carries the model's LoRA layers and ``result``.
+    ``finally``; with ``select=False`` the model keeps its last iterate instead, and ``result``
+    records the last evaluation (its step as ``best_step``). On an exception the LoRA layers are
+    removed before it propagates. Returns the :class:`LoraRun` that carries the model's LoRA
+    layers and ``result``.
     """
     settings = settings or LoraSettings()
     if not train:
         raise ValueError("the training set is empty")
     run: LoraRun | None = None
+    select = settings.select
     selector = HeldoutSelector(
-        parts, heldout, snapshot=lambda: run.state_dict(), restore=lambda s: run.load_state_dict(s),
-        on_row=on_row,
+        parts, heldout, snapshot=lambda: run.state_dict() if select else None,
+        restore=lambda s: run.load_state_dict(s), on_row=on_row,
     )  # fmt: skip
     cuda = sorted({d.index or 0 for d in parts.block_devices() if d.type == "cuda"})
     step_unit = "step" if settings.eval_every > 0 else "epoch"
@@ -227,8 +233,9 @@ def fit_lora(
                     )
             finally:
                 parts.model.eval()
-                run.load_state_dict(init)
-                selector.restore_best()
+                if select:
+                    run.load_state_dict(init)
+                    selector.restore_best()
     except BaseException:
         if run is not None:
             run.unload()
@@ -236,7 +243,7 @@ def fit_lora(
     finally:
         bar.close()
     run.result = selector.result(
-        "lora", step_unit,
+        "lora", step_unit, last_iterate=not select,
         n_trainable_params=run.n_trainable_params, stop_reasons=stop_reasons,
         rank=settings.rank, alpha=settings.alpha, target_modules=list(settings.target_modules),
     )  # fmt: skip
@@ -277,8 +284,7 @@ def _train_candidate(
         return None
 
     for epoch in range(1, s.epochs + 1):
-        gen = torch.Generator().manual_seed(_shuffle_seed(s.seed, epoch))
-        order = torch.randperm(len(train), generator=gen).tolist()
+        order = epoch_order(s.seed, epoch, len(train))
         parts.model.train(s.dropout > 0)
         for i in order:
             with torch.enable_grad():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..baselines.common import HeldoutSelector, MethodResult
 from ..calibrate import Calibrator
@@ -18,7 +18,11 @@ from ..data import Batch, Encoded, Splits, Task
 from ..fit import fit
 from ..models import ModelParts
 
-METHODS = ("frozen", "lora", "loca", "loca-abs", "adapter-mezo", "mezo")
+METHODS = (
+    "frozen", "lora", "lora-paper", "loca", "loca-abs", "adapter-bp", "adapter-bp-predict", "adapter-mezo",
+    "mezo",
+)  # fmt: skip
+CEILINGS = ("adapter-bp-predict", "adapter-bp")  # R_ceiling's reference, the first present
 
 
 @dataclass
@@ -99,11 +103,31 @@ def run_loca(cell: CellData, cfg: LocaConfig, method: str = "loca") -> Outcome:
     return result, res.adapters.detach
 
 
-def run_lora(cell: CellData, settings) -> Outcome:
+def run_lora(cell: CellData, settings, method: str = "lora") -> Outcome:
+    """LoRA; ``lora-paper`` is the same fit with the paper's settings, kept at its last iterate."""
     from ..baselines.lora import fit_lora
 
     run = fit_lora(cell.parts, cell.minibatches, cell.heldout, settings, progress=False)
-    return run.result, run.unload
+    return replace(run.result, method=method), run.unload
+
+
+def run_adapter_bp(cell: CellData, settings, method: str = "adapter-bp") -> Outcome:
+    """LoCA's adapters (its A for this seed; a principal A from LoCA's own batches) with B trained
+    by backpropagation on the minibatches."""
+    from ..adapters import ResidualAdapters, principal_a
+    from ..baselines.adapter_bp import fit_adapter_bp
+
+    a = None
+    if settings.a_init == "principal":
+        a = principal_a(cell.parts, cell.train, settings.rank, settings.seed)
+    adapters = ResidualAdapters(cell.parts, rank=settings.rank, seed=settings.seed, a=a)
+    try:
+        run = fit_adapter_bp(cell.parts, cell.minibatches, cell.heldout, settings, adapters=adapters,
+                             progress=False)  # fmt: skip
+    except BaseException:
+        adapters.detach()
+        raise
+    return replace(run.result, method=method), run.restore
 
 
 def run_adapter_mezo(cell: CellData, settings) -> Outcome:

@@ -9,7 +9,11 @@ from pathlib import Path
 from ..plotting import panel_grid, plt
 from .methods import METHODS
 
-COLORS = {"frozen": "0.4", "lora": "C0", "adapter-mezo": "C2", "loca": "C3", "mezo": "C4", "loca-abs": "C1"}
+# LoCA variants take C5–C9 (write_plots)
+COLORS = {
+    "frozen": "0.4", "lora": "C0", "adapter-mezo": "C2", "loca": "C3", "mezo": "C4", "loca-abs": "C1",
+    "lora-paper": "navy", "adapter-bp": "darkred", "adapter-bp-predict": "lightcoral",
+}  # fmt: skip
 FILES = ("heldout_vs_time.png", "heldout_vs_steps.png", "accuracy.png")
 
 

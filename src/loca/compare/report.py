@@ -1,5 +1,11 @@
 """The comparison's report from its stored cells: rows, ``results.json``/``.csv``, ``table.md``
-(shaped like the paper's Table 1, mean ± spread over seeds) and PNG plots."""
+(shaped like the paper's Table 1, mean ± spread over seeds) and PNG plots.
+
+Recovery ratios of a cell, on test CE/accuracy against the same task and seed: ``R_CE`` and
+``R_acc`` against LoRA (every method), ``R_ceiling = (CE_frozen − CE_m)/(CE_frozen − CE_ceiling)``
+against Adapter-BP, LoCA's adapters trained by backprop (LoCA and its variants only): the share of
+what its own adapters can reach that LoCA's credit assignment gets. The ceiling is the
+``adapter-bp-predict`` cell when it ran, else ``adapter-bp`` (:data:`~.methods.CEILINGS`)."""
 
 from __future__ import annotations
 
@@ -13,26 +19,33 @@ from pathlib import Path
 
 from ..io import atomic_write_json, atomic_write_text
 from ..metrics import RECOVERY_FLAG, recovery_acc, recovery_ce
-from .methods import METHODS
+from .methods import CEILINGS, METHODS
 from .store import jsonable
 
 LABELS = {
     "frozen": "Frozen", "lora": "LoRA", "adapter-mezo": "Adapter-MeZO", "loca": "LoCA", "mezo": "MeZO",
-    "loca-abs": "LoCA (abs η)",
+    "loca-abs": "LoCA (abs η)", "lora-paper": "LoRA (paper)", "adapter-bp": "Adapter-BP",
+    "adapter-bp-predict": "Adapter-BP (predict)",
 }  # fmt: skip
 METRICS = ("test_ce", "test_ce_no_eos", "acc", "acc_norm")
 COLUMNS = [
     "model", "device", "task", "seed", "method", "n_train", "n_heldout", "n_test",
     "heldout_ce", "frozen_heldout_ce",
     "test_ce", "test_ce_stderr", "test_ce_no_eos", "test_ce_no_eos_stderr",
-    "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "R_CE", "R_acc",
+    "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "R_CE", "R_acc", "R_ceiling", "ceiling_method",
     "selected", "best_step", "step_unit", "improved",
     "time_to_best_s", "fit_wall_time_s", "total_wall_time_s", "peak_memory_mb", "memory_kind",
 ]  # fmt: skip
 
 
+def loca_like(method: str) -> bool:
+    """LoCA, LoCA with absolute η, or a LoCA variant: the methods that get an R_ceiling."""
+    return method in ("loca", "loca-abs") or method.startswith("loca@")
+
+
 def rows_from_cells(cells: list[dict]) -> list[dict]:
-    """One row per method × task × seed, with R_CE / R_acc against that task and seed's LoRA."""
+    """One row per method × task × seed, with R_CE / R_acc against that task and seed's LoRA and,
+    for LoCA-like methods, R_ceiling against its Adapter-BP (``ceiling_method`` names which)."""
     by = {(c["task"], c["seed"], c["method"]): c for c in cells}
     rows = []
     for c in cells:
@@ -56,6 +69,12 @@ def rows_from_cells(cells: list[dict]) -> list[dict]:
             f, lo = frozen["test"], lora["test"]
             row["R_CE"] = recovery_ce(f["test_ce"], test["test_ce"], lo["test_ce"])
             row["R_acc"] = recovery_acc(f["acc"], test["acc"], lo["acc"])
+        row["R_ceiling"] = row["ceiling_method"] = None
+        ceiling = next((m for m in CEILINGS if (c["task"], c["seed"], m) in by), None)
+        if frozen and ceiling and loca_like(c["method"]):
+            ce_ceiling = by[(c["task"], c["seed"], ceiling)]["test"]["test_ce"]
+            row["R_ceiling"] = recovery_ce(frozen["test"]["test_ce"], test["test_ce"], ce_ceiling)
+            row["ceiling_method"] = ceiling
         rows.append(row)
     rows.sort(key=lambda r: (r["task"], r["seed"], _order(r["method"]), r["method"]))
     return rows
@@ -100,7 +119,7 @@ def summarize(rows: list[dict]) -> dict:
     per_task: dict[str, dict] = defaultdict(dict)
     for (task, method), rs in groups.items():
         agg = {"seeds": sorted(r["seed"] for r in rs)}
-        for k in (*METRICS, "heldout_ce", "R_CE", "R_acc", "fit_wall_time_s", "time_to_best_s",
+        for k in (*METRICS, "heldout_ce", "R_CE", "R_acc", "R_ceiling", "fit_wall_time_s", "time_to_best_s",
                   "peak_memory_mb"):  # fmt: skip
             mean, spread, n = _mean_spread([r[k] for r in rs])
             agg[k] = {"mean": mean, "std": spread, "n": n}
@@ -126,6 +145,7 @@ def versus_lora(per_task: dict, rows: list[dict], method: str) -> dict:
         "loca_acc_not_below_frozen": sum(mean(t, method, "acc") >= mean(t, "frozen", "acc") for t in tasks),
         "median_R_CE": _median([r["R_CE"] for r in rows if r["method"] == method]),
         "median_R_acc": _median([r["R_acc"] for r in rows if r["method"] == method]),
+        "median_R_ceiling": _median([r["R_ceiling"] for r in rows if r["method"] == method]),
         "loca_wall_over_lora_wall": _median(
             [_wall(per_task[t], method) / _wall(per_task[t], "lora") for t in tasks]
         ),
@@ -141,9 +161,17 @@ def _median(values) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def ceiling_label(rows: list[dict]) -> str | None:
+    """Which Adapter-BP the R_ceiling of ``rows`` is against (None: no R_ceiling anywhere)."""
+    used = [m for m in CEILINGS if any(r.get("ceiling_method") == m for r in rows)]
+    if not used:
+        return None
+    return LABELS[used[0]] + "".join(f" where it ran, else {LABELS[m]}" for m in used[1:])
+
+
 def table_markdown(rows: list[dict]) -> str:
     """Test CE and accuracy per task × method (mean ± sample std over seeds), R_CE and R_acc of
-    LoCA against LoRA, wall times; the best CE of a row in bold."""
+    LoCA against LoRA and R_ceiling against Adapter-BP, wall times; the best CE of a row in bold."""
     if not rows:
         return "No finished cells yet.\n"
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
@@ -154,20 +182,27 @@ def table_markdown(rows: list[dict]) -> str:
         cell[(r["task"], r["method"])].append(r)
     model, device = rows[0]["model"], rows[0]["device"]
     n = rows[0]
+    ceiling = ceiling_label([r for r in rows if r["method"] == "loca"])
     lines = [
         f"# {model}: frozen vs LoRA vs MeZO vs LoCA",
         "",
         f"Device {device}; {n['n_train']} train / {n['n_heldout']} held-out / {n['n_test']} test examples "
         f"per cell; seeds {', '.join(map(str, seeds))}; mean ± sample standard deviation over seeds. "
         f"R_CE and R_acc: LoCA against the same seed's LoRA ({RECOVERY_FLAG}: LoRA's gain too small "
-        "for a ratio; (k/n): only k of n seeds had a ratio).",
+        "for a ratio; (k/n): only k of n seeds had a ratio)."
+        + (" R_ceiling: LoCA's CE gain over the frozen model's relative to that of its own adapters "
+           "trained by backprop (Adapter-BP, the same seed; the predict-credit run where it ran)."
+           if ceiling else ""),
         "",
-    ]
+    ]  # fmt: skip
 
-    def table(metric: str, title: str, lower_better: bool, digits: int, ratio: str | None) -> None:
-        extra = [ratio] if ratio and "loca" in methods and "lora" in methods else []
+    def table(metric: str, title: str, lower_better: bool, digits: int, ratios: tuple[str, ...]) -> None:
+        heads = {"R_CE": "R_CE (LoCA)", "R_acc": "R_acc (LoCA)",
+                 "R_ceiling": f"R_ceiling (LoCA vs {ceiling})"}  # fmt: skip
+        extra = [e for e in ratios if "loca" in methods
+                 and (ceiling is not None if e == "R_ceiling" else "lora" in methods)]  # fmt: skip
         lines.extend([f"## {title}", "", "| task | " + " | ".join(LABELS[m] for m in methods)
-                      + "".join(f" | {e} (LoCA)" for e in extra) + " |",
+                      + "".join(f" | {heads[e]}" for e in extra) + " |",
                       "|---|" + "---|" * (len(methods) + len(extra))])  # fmt: skip
         for t in tasks:
             means = {m: _mean_spread([r[metric] for r in cell[(t, m)]])[0] for m in methods}
@@ -179,14 +214,16 @@ def table_markdown(rows: list[dict]) -> str:
                 vals.append(f"**{text}**" if m == best and m != "frozen" else text)
             for e in extra:
                 rs = cell[(t, "loca")]
+                if e == "R_ceiling":  # only the seeds whose Adapter-BP ran
+                    rs = [r for r in rs if r["ceiling_method"]]
                 vals.append(_fmt([r[e] for r in rs], 2, n_expected=len(rs)))
             lines.append(f"| {t} | " + " | ".join(vals) + " |")
         lines.append("")
 
-    table("test_ce", "Test CE per token (answer + EOS)", True, 3, "R_CE")
-    table("test_ce_no_eos", "Test CE per token without EOS", True, 3, None)
-    table("acc", "Test accuracy (acc)", False, 3, "R_acc")
-    table("acc_norm", "Test accuracy (acc_norm)", False, 3, None)
+    table("test_ce", "Test CE per token (answer + EOS)", True, 3, ("R_CE", "R_ceiling"))
+    table("test_ce_no_eos", "Test CE per token without EOS", True, 3, ())
+    table("acc", "Test accuracy (acc)", False, 3, ("R_acc",))
+    table("acc_norm", "Test accuracy (acc_norm)", False, 3, ())
     lines.extend(["## Wall time (s): whole fit with its selection (LoCA: calibration included); "
                   "time to the best held-out CE in brackets", "",
                   "| task | " + " | ".join(LABELS[m] for m in methods if m != "frozen") + " |",
@@ -214,7 +251,7 @@ def table_markdown(rows: list[dict]) -> str:
 
 def variants_markdown(rows: list[dict]) -> list[str]:
     """LoCA's configurations side by side (an ablation): held-out CE, which selects, then test
-    CE and accuracy with their recovery ratios against LoRA, and wall time."""
+    CE and accuracy with their recovery ratios against LoRA (and Adapter-BP), and wall time."""
     names = variants(rows)
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     cell = defaultdict(list)
@@ -248,8 +285,11 @@ def variants_markdown(rows: list[dict]) -> list[str]:
         return f"{sum(mean(t, m, 'test_ce') < mean(t, 'lora', 'test_ce') for t in ts)}/{len(ts)}"
 
     table("Held-out CE of the selected fit (what selection sees)", "heldout_ce", 3, [])
+    ceiling = ceiling_label([r for r in rows if r["method"] in names])
     table("Test CE per token (answer + EOS)", "test_ce", 3,
-          [("median R_CE", med("R_CE")), ("CE below LoRA", below_lora)])  # fmt: skip
+          [("median R_CE", med("R_CE"))]
+          + ([(f"median R_ceiling (vs {ceiling})", med("R_ceiling"))] if ceiling else [])
+          + [("CE below LoRA", below_lora)])  # fmt: skip
     table("Test CE per token without EOS", "test_ce_no_eos", 3, [])
     table("Test accuracy (acc)", "acc", 3, [("median R_acc", med("R_acc"))])
     table("Fit wall time (s), calibration and selection included", "fit_wall_time_s", 0, [])

@@ -11,10 +11,11 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .. import distributed
+from ..baselines.adapter_bp import AdapterBpSettings
 from ..bench import PeakMemory
 from ..config import PRESETS, DataConfig, LocaConfig, ModelConfig, option
 from ..data import get_task, make_batches
@@ -25,6 +26,7 @@ from ..versions import versions
 from .methods import (
     METHODS,
     CellData,
+    run_adapter_bp,
     run_adapter_mezo,
     run_frozen,
     run_loca,
@@ -36,6 +38,9 @@ from .store import CellStore, digest
 
 DEFAULT_TASKS = ["sst2", "boolq", "arc_easy", "obqa", "hellaswag"]
 DEFAULT_METHODS = ["frozen", "lora", "adapter-mezo", "loca"]
+# lora-paper: the paper's LoRA protocol (one lr, 3 epochs, no selection: the last iterate); the
+# other LoRA settings (rank, alpha, modules, clipping, evaluation points) are --lora-*'s.
+LORA_PAPER = {"lrs": [2e-4], "epochs": 3, "select": False}
 
 
 @dataclass
@@ -119,12 +124,14 @@ class CompareSettings:
 
 @dataclass
 class MethodConfigs:
-    """The hyper-parameters of each method (LoRA and MeZO settings from :mod:`loca.baselines`)."""
+    """The hyper-parameters of each method (LoRA, Adapter-BP and MeZO settings from
+    :mod:`loca.baselines`)."""
 
     loca: LocaConfig
     lora: object
     adapter_mezo: object
     mezo: object
+    adapter_bp: AdapterBpSettings = field(default_factory=AdapterBpSettings)
 
 
 VARIANT = "loca@"
@@ -132,7 +139,7 @@ VARIANT = "loca@"
 
 def _ordered(methods: list[str], variants: dict) -> list[str]:
     """Frozen first (every recovery ratio needs it), LoRA next, LoCA and its variants before the
-    MeZO methods (their 'auto' time budget is LoCA's wall time)."""
+    MeZO methods (their 'auto' time budget is LoCA's wall time), in :data:`METHODS`' order."""
     out = [m for m in METHODS if m in methods or m == "frozen"]
     at = out.index("loca") + 1 if "loca" in out else len(out)
     return out[:at] + [VARIANT + name for name in variants] + out[at:]
@@ -181,7 +188,8 @@ def run_compare(
         atomic_write_json(out / "config.json", {
             "command": "compare", "model": model.to_dict(), "data_dir": data_dir, "device": str(parts.device),
             "settings": asdict(settings), "loca": configs.loca.to_dict(), "lora": configs.lora.to_dict(),
-            "adapter_mezo": configs.adapter_mezo.to_dict(), "mezo": configs.mezo.to_dict(), **base,
+            "adapter_mezo": configs.adapter_mezo.to_dict(), "mezo": configs.mezo.to_dict(),
+            "adapter_bp": configs.adapter_bp.to_dict(), **base,
             "world_size": distributed.world_size(),
         })  # fmt: skip
     counts = {"reused": 0, "run": 0}
@@ -254,8 +262,15 @@ def _method_config(method: str, configs: MethodConfigs, s: CompareSettings, seed
         over = dict(s.variants()[method.removeprefix(VARIANT)])
         preset = PRESETS[over.pop("preset", "default")]
         return LocaConfig(**{**configs.loca.to_dict(), **preset, **over, "seed": seed}).to_dict()
-    if method == "lora":
-        return replace(configs.lora, seed=seed).to_dict()
+    if method in ("lora", "lora-paper"):
+        cfg = replace(configs.lora, seed=seed, **(LORA_PAPER if method == "lora-paper" else {})).to_dict()
+        if cfg["select"]:
+            del cfg["select"]  # the default: the keys of LoRA cells stored before the field existed match
+        return cfg
+    if method in ("adapter-bp", "adapter-bp-predict"):  # LoCA's adapters: its rank and A
+        credit = "predict" if method == "adapter-bp-predict" else "all"
+        return replace(configs.adapter_bp, seed=seed, rank=configs.loca.rank, a_init=configs.loca.a_init,
+                       credit=credit).to_dict()  # fmt: skip
     budget: float | None
     if s.mezo_time_budget == "none":
         budget = None
@@ -291,8 +306,10 @@ def _run_cell(data: CellData, method: str, mcfg: dict) -> dict:
             result, cleanup = run_frozen(data)
         elif method in ("loca", "loca-abs") or method.startswith(VARIANT):
             result, cleanup = run_loca(data, LocaConfig.from_dict(mcfg), method)
-        elif method == "lora":
-            result, cleanup = run_lora(data, LoraSettings(**mcfg))
+        elif method in ("lora", "lora-paper"):
+            result, cleanup = run_lora(data, LoraSettings(**mcfg), method)
+        elif method in ("adapter-bp", "adapter-bp-predict"):
+            result, cleanup = run_adapter_bp(data, AdapterBpSettings(**mcfg), method)
         elif method == "adapter-mezo":
             result, cleanup = run_adapter_mezo(data, MezoSettings(**mcfg))
         else:

@@ -93,12 +93,32 @@ class Batch:
     def n_positions(self) -> int:
         return int(self.targets.numel())
 
+    @property
+    def roles(self) -> Tensor:
+        """Each predict position's role (:data:`ROLES`), on the batch's device."""
+        return position_roles(self.pos_b, self.is_eos)
+
     def to(self, device: torch.device | str) -> Batch:
         move = lambda t: t if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(
             move(self.input_ids), move(self.attention_mask), move(self.pos_b), move(self.pos_t),
             move(self.targets), move(self.is_eos), self.items,
         )
+
+
+ROLES = ("first", "inside", "eos")  # what a predict position predicts: see position_roles
+
+
+def position_roles(pos_b: Tensor, is_eos: Tensor) -> Tensor:
+    """The role of each predict position (an index into :data:`ROLES`): 0 = it predicts its
+    completion's first token (the prompt's last position), 2 = it predicts the appended EOS,
+    1 = any other completion token. ``pos_b`` lists each sequence's positions together and in
+    order (as :func:`collate` makes them), so a position is first when its row differs from the
+    previous position's. Pure tensor ops: a CUDA graph can capture it."""
+    first = torch.ones_like(pos_b, dtype=torch.bool)
+    first[1:] = pos_b[1:] != pos_b[:-1]
+    inside = torch.ones_like(pos_b)
+    return torch.where(is_eos, inside + 1, torch.where(first, inside - 1, inside))
 
 
 def collate(items: Sequence[Encoded], pad_id: int) -> Batch:

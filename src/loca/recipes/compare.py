@@ -1,4 +1,4 @@
-"""Compare LoCA with the frozen model, LoRA (PEFT) and MeZO on identical splits, side by side.
+"""Compare LoCA with the frozen model, LoRA (PEFT), Adapter-BP and MeZO on identical splits, side by side.
 
 Example (the committed SmolLM2 comparison, see docs/compare.md)::
 
@@ -7,7 +7,8 @@ Example (the committed SmolLM2 comparison, see docs/compare.md)::
 
 ``--out DIR`` receives ``cells/<task>/seed<k>/<method>.json`` (one per finished cell, with its
 full configuration), ``config.json``, ``results.json`` and ``results.csv`` (one row per method ×
-task × seed), ``table.md`` (mean ± spread over seeds, R_CE and R_acc against LoRA) and the plots
+task × seed), ``table.md`` (mean ± spread over seeds, R_CE and R_acc against LoRA, R_ceiling
+against Adapter-BP) and the plots
 ``heldout_vs_time.png``, ``heldout_vs_steps.png``, ``accuracy.png``. Rerunning the same command
 reuses every finished cell whose configuration matches and runs the rest; ``--report-only``
 redraws the tables and plots from the stored cells without loading a model.
@@ -19,6 +20,7 @@ import argparse
 from pathlib import Path
 
 from .. import distributed
+from ..baselines.adapter_bp import AdapterBpSettings
 from ..baselines.lora import LoraSettings
 from ..baselines.mezo import MezoSettings
 from ..compare import CompareSettings, MethodConfigs, run_compare
@@ -39,6 +41,10 @@ from .common import (
 # The seed of every method comes from --seeds, MeZO's time budget from --mezo-time-budget and
 # Adapter-MeZO's adapter rank from --rank (it perturbs the same adapters LoCA fits).
 _MEZO_SKIP = ("seed", "time_budget_s", "rank")
+# Adapter-BP trains LoCA's adapters: rank and A from the LoCA flags; the credit from the method
+# name (adapter-bp: all positions, adapter-bp-predict: the predict positions). LoRA's `select` is
+# off only in the lora-paper method.
+_ADAPTER_BP_SKIP = ("seed", "rank", "a_init", "credit")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only redraw results/tables/plots from the cells stored in --out")
     add_dataclass_args(p, CompareSettings, title="comparison")
     add_config_args(p, skip=("seed",))
-    add_dataclass_args(p, LoraSettings, title="LoRA", prefix="lora", skip=("seed",))
+    add_dataclass_args(p, LoraSettings, title="LoRA", prefix="lora", skip=("seed", "select"))
+    add_dataclass_args(p, AdapterBpSettings, title="Adapter-BP", prefix="adapter-bp", skip=_ADAPTER_BP_SKIP)
     add_dataclass_args(p, MezoSettings, title="Adapter-MeZO", prefix="mezo", skip=_MEZO_SKIP)
     add_dataclass_args(p, MezoSettings, title="full MeZO", prefix="full-mezo", skip=_MEZO_SKIP)
     add_output_args(p)
@@ -76,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         lora=dataclass_from_args(LoraSettings, args, "lora"),
         adapter_mezo=dataclass_from_args(MezoSettings, args, "mezo"),
         mezo=dataclass_from_args(MezoSettings, args, "full-mezo"),
+        adapter_bp=dataclass_from_args(AdapterBpSettings, args, "adapter-bp"),
     )
     report = run_compare(
         settings, configs, model=model, out=args.out, data_dir=resolve_data_dir(args.data_dir),
@@ -86,5 +94,7 @@ def run(args: argparse.Namespace) -> int:
     head = report["summary"].get("loca_vs_lora")
     if head:
         print(f"LoCA vs LoRA: CE below LoRA in {head['loca_ce_below_lora']}/{len(head['tasks'])} tasks, "
-              f"median R_CE {head['median_R_CE']}, median R_acc {head['median_R_acc']}")  # fmt: skip
+              f"median R_CE {head['median_R_CE']}, median R_acc {head['median_R_acc']}"
+              + (f", median R_ceiling {head['median_R_ceiling']}" if head.get("median_R_ceiling") is not None
+                 else ""))  # fmt: skip
     return 0
