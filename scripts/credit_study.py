@@ -46,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache", required=True)
     p.add_argument("--out", default=None)
+    p.add_argument("--only", default=None, help="score only the variants whose name contains this")
     return p.parse_args(argv)
 
 
@@ -131,7 +132,7 @@ def main(argv=None):
               f"{data['heldout']['e'].shape[0]} positions", flush=True)  # fmt: skip
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, cache)
-    report = evaluate(data, args.seed)
+    report = evaluate(data, args.seed, args.only)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"config": vars(args), "variants": report}, indent=1))
@@ -151,7 +152,20 @@ def features(d: dict, l: int, kind: str, mean: torch.Tensor | None = None) -> to
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-30)
 
 
-def evaluate(data, seed):
+def kmeans(x: torch.Tensor, m: int, seed: int, iters: int = 30) -> torch.Tensor:
+    """Centroids (m×D) of spherical k-means on the rows of ``x`` (unit norm), seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    c = x[torch.randperm(x.shape[0], generator=gen)[:m]].clone()
+    for _ in range(iters):
+        lab = (x @ c.T).argmax(1)
+        for j in range(m):
+            sel = x[lab == j]
+            if len(sel):
+                c[j] = sel.sum(0) / sel.sum(0).norm().clamp_min(1e-30)
+    return c
+
+
+def evaluate(data, seed, only=None):
     P, H = data["probe"], data["heldout"]
     L = P["g"].shape[0]
     d = P["e"].shape[1]
@@ -163,6 +177,8 @@ def evaluate(data, seed):
 
     def score(name, predict):
         """predict(l) -> (pred on probe, pred on held-out)."""
+        if only and only not in name:
+            return
         rows = {"probe": [], "heldout": [], "update": [], "step": []}
         for l in range(L):
             pp, ph = predict(l)
@@ -217,6 +233,27 @@ def evaluate(data, seed):
             return kernel_ridge(kp, kp, g, 1.0), kernel_ridge(kp, kx, g, 1.0)
 
         score(f"role x state kernel h^{power}", pred_rs)
+    # a mixture of maps gated by spherical k-means of a block's input codes (A h, as Stage II has
+    # them): the block's own input, or the top block's input for every block
+    for src in ("own", "top"):
+        for m in (2, 4, 8):
+            for with_role in (False, True):
+                def pred_cl(l, src=src, m=m, with_role=with_role):
+                    b = l if src == "own" else L - 1
+                    cp = (P["h"][b].double() @ a[b].T)
+                    ch = (H["h"][b].double() @ a[b].T)
+                    cp, ch = cp / cp.norm(dim=1, keepdim=True), ch / ch.norm(dim=1, keepdim=True)
+                    cent = kmeans(cp, m, seed)
+                    op = torch.nn.functional.one_hot((cp @ cent.T).argmax(1), m).double()
+                    oh = torch.nn.functional.one_hot((ch @ cent.T).argmax(1), m).double()
+                    gp, gx = op @ op.T, oh @ op.T
+                    if with_role:
+                        gp, gx = gp * (role_p @ role_p.T), gx * (role_h @ role_p.T)
+                    kp, kx = kee * gp, kxe * gx
+                    g = P["g"][l].double()
+                    return kernel_ridge(kp, kp, g, 1.0), kernel_ridge(kp, kx, g, 1.0)
+
+                score(f"cluster {src} m={m}{' x role' if with_role else ''}", pred_cl)
     # the top block's input as a shared state for every block
     for power in (1, 2):
         def pred_top(l, power=power):

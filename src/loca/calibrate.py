@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -158,7 +159,8 @@ def checkpointed(blocks) -> Iterator[None]:
 
 def probe_gradients(
     parts: ModelParts, items: Sequence[Encoded], probe_micro_batch: int, pad_id: int,
-    progress: bool = False, recompute: bool = False, memory_mb: float = 0.0,
+    progress: bool = False, recompute: bool = False, memory_mb: float = 0.0, synthetic: int = 0,
+    seed: int = 0,
 ) -> tuple[Tensor, list[Tensor]]:
     """Head errors E (N×d) and true block-output gradients G_l (N×d) at every predict position.
 
@@ -171,16 +173,22 @@ def probe_gradients(
     ``memory_mb`` > 0 a micro-batch also holds at most the padded tokens that fit that budget,
     from the peak of a trial step on the longest sequence (:func:`probe_token_budget`). Rows come
     in the same order whatever the micro-batches (sequences sorted by length).
+
+    With ``synthetic`` = K > 0, each micro-batch's forward also carries K more backward passes of
+    synthetic head errors (:func:`synthetic_errors`), and their rows follow the natural ones: set
+    k of K after set k − 1, each in the natural rows' order (``(K + 1)·N`` rows in all).
     """
     errors: list[Tensor] = []
     grads: list[list[Tensor]] = [[] for _ in parts.blocks]
     max_tokens = probe_token_budget(parts, items, pad_id, recompute, memory_mb) if memory_mb > 0 else None
     batches = make_batches(items, pad_id, batch_size=probe_micro_batch, max_tokens=max_tokens)
+    draws = synthetic_tokens(items, [b.n_positions for b in batches], synthetic, seed)
     mine = distributed.owned(len(batches))  # data-parallel: this rank's micro-batches
     shown = tqdm(mine, desc="calibrate", unit="micro-batch", leave=False,
                  disable=not progress or not distributed.is_main())  # fmt: skip
     for index in shown:
-        e, captured = _probe_step(parts, batches[index], recompute)
+        # each set of errors as one leading slice: natural first, then the synthetic sets
+        e, captured = _probe_step(parts, batches[index], recompute, draws[index])
         errors.append(e)
         for i in range(parts.num_blocks):  # with the head error: the ridge fits pair them
             grads[i].append(captured[i].to(e.device))
@@ -193,16 +201,45 @@ def probe_gradients(
         ordered = [rows[i] for i in range(len(batches))]
         errors = [e.to(device) for e, _ in ordered]
         grads = [[gs[l].to(device) for _, gs in ordered] for l in range(parts.num_blocks)]
-    return torch.cat(errors), [torch.cat(g) for g in grads]
+    rows = lambda parts_: torch.cat(parts_, dim=1).flatten(0, 1)  # noqa: E731  (sets × N) rows, set-major
+    return rows(errors), [rows(g) for g in grads]
 
 
-def _probe_step(parts: ModelParts, batch, recompute: bool) -> tuple[Tensor, dict[int, Tensor]]:
-    """One micro-batch's head errors and block-output gradients at its predict positions."""
+def synthetic_tokens(items: Sequence[Encoded], rows: Sequence[int], synthetic: int, seed: int,
+                     ) -> list[Tensor]:  # fmt: skip
+    """For each micro-batch (``rows`` predict positions each, in order), ``synthetic`` × rows tokens j
+    drawn uniformly from the probe's target tokens, seeded: the same draw for a position whatever
+    the micro-batches (one draw over all rows, then split)."""
+    if not synthetic:
+        return [torch.empty(0, n, dtype=torch.long) for n in rows]
+    vocab = torch.tensor(sorted({t for it in items for t in it.completion}))
+    digest = hashlib.sha256(f"loca-synthetic:{seed}".encode()).digest()[:8]
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    j = vocab[torch.randint(len(vocab), (synthetic, sum(rows)), generator=gen)]
+    return list(j.split(list(rows), dim=1))
+
+
+def synthetic_errors(head_weight: Tensor, targets: Tensor, tokens: Tensor) -> Tensor:
+    """Head errors ``W_u[j] − W_u[y]`` (K×N×d) of a model that put all its mass on another answer
+    token j (``tokens``, K×N). They are probe directions, not errors the model makes: the block
+    gradient is linear in the error at a fixed state (``g_l = J_l(h)ᵀ e``), so their exact gradients
+    teach a map that relation along the directions the errors take once the answer format is learned
+    (the competition between answer tokens)."""
+    w = head_weight.detach()
+    return w[tokens.to(w.device)].float() - w[targets].float()
+
+
+def _probe_step(parts: ModelParts, batch, recompute: bool, tokens: Tensor | None = None,
+                ) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
+    """One micro-batch's head errors and block-output gradients at its predict positions, each with a
+    leading dimension of 1 + K error sets: the natural one and, for ``tokens`` (K×N, see
+    :func:`synthetic_tokens`), K synthetic ones (one backward pass each through one forward)."""
     b = batch.to(parts.device)
     embed = parts.model.get_input_embeddings()
     captured: dict[int, Tensor] = {}
     make_hook = partial(_grad_capture_hook, captured, b.pos_b, b.pos_t)
     handles = [blk.register_forward_hook(make_hook(i)) for i, blk in enumerate(parts.blocks)]
+    sets: list[dict[int, Tensor]] = []
     try:
         with torch.enable_grad(), checkpointed(parts.blocks) if recompute else nullcontext():
             embeds = embed(b.input_ids).detach().requires_grad_(True)
@@ -210,13 +247,19 @@ def _probe_step(parts: ModelParts, batch, recompute: bool) -> tuple[Tensor, dict
             with torch.no_grad():
                 _, e = head_loss_and_error(hn.detach(), parts.head.weight, parts.head.bias, b.targets,
                                            parts.transform)  # fmt: skip
-            hn.backward(e.to(hn.dtype), inputs=[embeds])
+                errors = [e.float()]
+                if tokens is not None and len(tokens):
+                    errors += list(synthetic_errors(parts.head.weight, b.targets, tokens))
+            for k, err in enumerate(errors):
+                hn.backward(err.to(hn.dtype), inputs=[embeds], retain_graph=k < len(errors) - 1)
+                sets.append(dict(captured))
     finally:
         for h in handles:
             h.remove()
-    if len(captured) != parts.num_blocks:
-        raise RuntimeError(f"captured gradients for {len(captured)} of {parts.num_blocks} blocks")
-    return e.float(), captured
+    if any(len(c) != parts.num_blocks for c in sets):
+        raise RuntimeError(f"captured gradients for {len(sets[-1])} of {parts.num_blocks} blocks")
+    stacked_sets = {l: torch.stack([c[l] for c in sets]) for l in range(parts.num_blocks)}
+    return torch.stack(errors), stacked_sets
 
 
 def probe_token_budget(parts: ModelParts, items: Sequence[Encoded], pad_id: int, recompute: bool,
@@ -295,12 +338,13 @@ def calibrate(
     feedback_rank: int = _DEFAULTS.feedback_rank,
     beta_rel: float = _DEFAULTS.beta_rel,
     feedback_gate: str = _DEFAULTS.feedback_gate,
+    probe_synthetic: int = _DEFAULTS.probe_synthetic,
     probe_micro_batch: int = _DEFAULTS.probe_micro_batch,
     probe_checkpoint: bool = _DEFAULTS.probe_checkpoint,
     probe_memory_mb: float = _DEFAULTS.probe_memory_mb,
     pad_id: int = 0,
     seed: int = 0,
-    pool: list[tuple[Tensor, list[Tensor]]] | None = None,
+    pool: list[tuple[Tensor, list[Tensor], Tensor]] | None = None,
     progress: bool = False,
 ) -> FeedbackMaps:
     """Fit every block's feedback map from one probe pass and report alignment diagnostics.
@@ -310,7 +354,9 @@ def calibrate(
     the maps are fitted on this probe's errors and gradients together with those already in
     ``pool`` (earlier probes, e.g. at other adapter states), each probe weighted equally (its rows
     scaled by 1/RMS of its errors, which keeps every pair's relation ``g = F e``), and this probe's
-    are appended to ``pool``.
+    are appended to ``pool``. With ``probe_synthetic`` = K > 0 the probe's synthetic rows
+    (:func:`synthetic_errors`) join the fit as one more such set; the diagnostics use the natural
+    rows only.
     """
     if not probe:
         raise ValueError("the calibration probe is empty")
@@ -318,13 +364,18 @@ def calibrate(
     parts.model.eval()
     try:
         errors, grads = probe_gradients(parts, probe, probe_micro_batch, pad_id, progress, probe_checkpoint,
-                                        probe_memory_mb)  # fmt: skip
+                                        probe_memory_mb, probe_synthetic, seed)  # fmt: skip
         roles = probe_roles(probe, pad_id).to(errors.device)
-        if pool is None:
-            factors = fit_factors(errors, grads, roles, feedback_gate, beta_rel, feedback_rank)
-        else:
-            pool.append((errors, grads, roles))
-            factors = fit_factors(*_pooled(pool), feedback_gate, beta_rel, feedback_rank)
+        n = roles.shape[0]  # natural rows first, then the synthetic sets (one pooled set, equal weight)
+        sets = [(errors[:n], [g[:n] for g in grads], roles)]
+        if probe_synthetic:
+            sets.append((errors[n:], [g[n:] for g in grads], roles.repeat(probe_synthetic)))
+        errors, grads = sets[0][:2]
+        if pool is not None:  # as before synthetic sets: a pool is always scaled (_pooled)
+            pool.extend(sets)
+            sets = pool
+        fitted = sets[0] if pool is None and len(sets) == 1 else _pooled(sets)
+        factors = fit_factors(*fitted, feedback_gate, beta_rel, feedback_rank)
         gates = GATES[feedback_gate]
         rank = factors[0].v.shape[1] // gates
         mask = None if gates == 1 else gate_mask(roles, gates, rank)
@@ -362,6 +413,7 @@ def calibrate(
         "beta_rel": beta_rel,
         "probe_sequences": len(probe),
         "probe_positions": int(errors.shape[0]),
+        "probe_synthetic": probe_synthetic,
         "heldout_probe_positions": int(h_err.shape[0]) if heldout_probe else 0,
         "alignment": diag,
         "versions": versions(),
@@ -423,7 +475,8 @@ class Calibrator:
         cfg = self.cfg
         return calibrate(
             self.parts, self.probe, self.heldout_probe, feedback_rank=cfg.feedback_rank,
-            beta_rel=cfg.beta_rel, feedback_gate=cfg.feedback_gate, probe_micro_batch=cfg.probe_micro_batch,
+            beta_rel=cfg.beta_rel, feedback_gate=cfg.feedback_gate, probe_synthetic=cfg.probe_synthetic,
+            probe_micro_batch=cfg.probe_micro_batch,
             probe_checkpoint=cfg.probe_checkpoint, probe_memory_mb=cfg.probe_memory_mb, pad_id=self.pad_id,
             seed=cfg.seed, pool=pool, progress=self.progress,
         )  # fmt: skip

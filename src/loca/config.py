@@ -92,6 +92,15 @@ class LocaConfig:
         "longer forward-only)",
         section="fit",
     )
+    probe_synthetic: int = option(
+        0,
+        "synthetic head-error sets per probe position (0 = none, the paper): each is one more "
+        "backward pass through the probe's forward with the error W_u[j] − W_u[y] of a model that "
+        "put its mass on another answer token j (drawn from the probe's target tokens); pooled with "
+        "the natural errors at equal total weight, they fit the maps along the error directions that "
+        "remain once the answer format is learned. Stage I cost only; Stage II stays forward-only",
+        section="calibration",
+    )
     calibration_rounds: int = option(
         1,
         "Stage I probes, pooled: after the first, each further probe is taken at the adapters of a "
@@ -171,6 +180,7 @@ class LocaConfig:
             and (self.recalibrate_every == 0 or self.step_control == "adaptive"),
             "alignment_every": self.alignment_every >= 0,
             "calibration_rounds": self.calibration_rounds >= 1,
+            "probe_synthetic": self.probe_synthetic >= 0,
             "calibration_round_iters": self.calibration_round_iters >= 1,
             "max_iters": self.max_iters >= 0,
             "patience": self.patience >= 1,
@@ -213,6 +223,7 @@ PRESETS: dict[str, dict] = {
         rank=32, feedback_rank=8, beta_rel=1e-3, feedback_gate="none", lam_rel=[1e-3], ridge_center="zero",
         etas=[0.003, 0.01, 0.03],
         step_scale="rms", step_control="fixed", a_init="random", recalibrate_every=0, calibration_rounds=1,
+        probe_synthetic=0,
         max_iters=40, patience=3, groups=1, probe_positions=1000,
     ),  # fmt: skip
     "default": {},
