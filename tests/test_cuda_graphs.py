@@ -26,18 +26,20 @@ def pipeline(tmp_path, dtype="float32", device="cuda", **cfg):
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_graphed_passes_equal_eager_and_follow_b_and_maps(tmp_path, dtype, tol):
+@pytest.mark.parametrize("dtype, tol, gate", [("float32", 1e-5, "none"), ("bfloat16", 2e-2, "none"),
+                                              ("float32", 1e-5, "role")])  # fmt: skip
+def test_graphed_passes_equal_eager_and_follow_b_and_maps(tmp_path, dtype, tol, gate):
     from loca.adapters import ResidualAdapters
     from loca.evaluation import completion_ce
     from loca.fit import collect_statistics
     from loca.graphs import batch_graphs
 
-    pipe = pipeline(tmp_path, dtype)
+    pipe = pipeline(tmp_path, dtype, feedback_gate=gate)  # role: each position's map picked in the graph
     parts = pipe.parts
     train, heldout = pipe.batched()
     assert len(train) >= 3
     maps = pipe.calibrate()
+    assert maps.gate == gate
     adapters = ResidualAdapters(parts, rank=pipe.cfg.rank).attach()
     graphs = batch_graphs(parts, adapters, train)
     heldout_graphs = batch_graphs(parts, adapters, heldout, graphs)
