@@ -13,9 +13,11 @@ two causes, on one task:
 3. held-out probes at B = 0 and at the fitted adapters, and a training probe at the fitted adapters
    (the refit's upper bound);
 
-then scores maps fitted on (a) the natural errors, (b) natural + synthetic errors, (c) the fitted
-state's errors (a refit: a probe backward during Stage II) on both held-out probes: the median over
-blocks of the per-position alignment and of the alignment of the adapter update ``Σ ĝ pᵀ``.
+then scores maps fitted on (a) the natural errors, (b) natural + synthetic errors, (c) the
+synthetic errors alone, (d) the fitted state's errors (a refit: a probe backward during Stage II)
+and (e) the B = 0 probe pooled with the fitted state's (what two calibration rounds do) on both
+held-out probes: the median over blocks of the per-position alignment and of the alignment of
+the adapter update ``Σ ĝ pᵀ``.
 
     .venv/bin/python scripts/credit_staleness.py --data-dir ../shared/data --task arc_easy \
         --out docs/results/credit/staleness_arc_easy.json
@@ -158,6 +160,9 @@ def main(argv=None):
     pe, pg, _ = _pooled(pool[1:])
     maps_by["synthetic only (B = 0)"] = feedback_factors(pe, pg, beta, k)
     maps_by["refit at the fitted state"] = feedback_factors(pe1, list(pg1), beta, k)
+    # what calibration rounds do: the B = 0 probe pooled with one taken at the fitted state
+    pe, pg, _ = _pooled([pool[0], (pe1, list(pg1), torch.zeros(len(pe1)))])
+    maps_by["B = 0 pooled with the fitted state (2 rounds)"] = feedback_factors(pe, pg, beta, k)
     report = {"config": vars(args), "fit": {"frozen": res.frozen_heldout_ce, "heldout_ce": res.heldout_ce,
               "best_iteration": res.best_iteration}, "maps": {}}  # fmt: skip
     for name, factors in maps_by.items():

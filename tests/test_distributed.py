@@ -33,8 +33,10 @@ def run(root, out, nproc: int, *extra: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "extra", [["--max-iters", "4"], ["--max-iters", "3", "--step-control", "fixed", "--groups", "2"]],
-    ids=["adaptive", "fixed-gauss-seidel"],
+    "extra",
+    [["--max-iters", "4"], ["--max-iters", "3", "--step-control", "fixed", "--groups", "2"],
+     ["--max-iters", "3", "--probe-synthetic", "2", "--feedback-gate", "role"]],
+    ids=["adaptive", "fixed-gauss-seidel", "synthetic-errors-role-gate"],
 )
 def test_two_gloo_processes_fit_what_one_process_fits(root, tmp_path, extra):
     one, two = tmp_path / "one", tmp_path / "two"
