@@ -190,31 +190,46 @@ def evaluate(data, seed, only=None):
             gram = codes.T @ codes  # the step LoCA takes: Σ ĝ pᵀ (G + λI)⁻¹, λ = 1e-3·tr(G)/r
             pre = torch.linalg.inv(gram + 1e-3 * gram.trace() / 32 * torch.eye(32, dtype=gram.dtype))
             rows["step"].append(cos(ph.T @ codes @ pre, gh.T @ codes @ pre))
-        variants[name] = {
-            f"{k}_median": statistics.median(v) for k, v in rows.items()
-        } | {f"{k}_per_block": v for k, v in rows.items()}
+        variants[name] = {f"{k}_median": statistics.median(v) for k, v in rows.items()} | {
+            f"{k}_per_block": v for k, v in rows.items()
+        }
         r = variants[name]
         print(f"{name:<40} heldout {r['heldout_median']:+.3f}  update {r['update_median']:+.3f}  "
               f"step {r['step_median']:+.3f}  probe {r['probe_median']:+.3f}", flush=True)  # fmt: skip
 
     for beta in (0.1, 1.0, 10.0):
-        score(f"linear beta={beta}", lambda l, b=beta: (
-            kernel_ridge(kee, kee, P["g"][l].double(), b), kernel_ridge(kee, kxe, P["g"][l].double(), b)))
+        score(
+            f"linear beta={beta}",
+            lambda l, b=beta: (
+                kernel_ridge(kee, kee, P["g"][l].double(), b),
+                kernel_ridge(kee, kxe, P["g"][l].double(), b),
+            ),
+        )
     role_p = torch.nn.functional.one_hot(P["role"], 3).double()
     role_h = torch.nn.functional.one_hot(H["role"], 3).double()
     for gamma in (0.0, 1.0):
         kp = kee * (gamma + role_p @ role_p.T)
         kx = kxe * (gamma + role_h @ role_p.T)
-        score(f"role-gated gamma={gamma}", lambda l, kp=kp, kx=kx: (
-            kernel_ridge(kp, kp, P["g"][l].double(), 1.0), kernel_ridge(kp, kx, P["g"][l].double(), 1.0)))
+        score(
+            f"role-gated gamma={gamma}",
+            lambda l, kp=kp, kx=kx: (
+                kernel_ridge(kp, kp, P["g"][l].double(), 1.0),
+                kernel_ridge(kp, kx, P["g"][l].double(), 1.0),
+            ),
+        )
     tp, th = P["target"], H["target"]
     ktok_p = (tp[:, None] == tp[None, :]).double()
     ktok_h = (th[:, None] == tp[None, :]).double()
-    score("target-token gamma=1", lambda l: (
-        kernel_ridge(kee * (1 + ktok_p), kee * (1 + ktok_p), P["g"][l].double(), 1.0),
-        kernel_ridge(kee * (1 + ktok_p), kxe * (1 + ktok_h), P["g"][l].double(), 1.0)))
+    score(
+        "target-token gamma=1",
+        lambda l: (
+            kernel_ridge(kee * (1 + ktok_p), kee * (1 + ktok_p), P["g"][l].double(), 1.0),
+            kernel_ridge(kee * (1 + ktok_p), kxe * (1 + ktok_h), P["g"][l].double(), 1.0),
+        ),
+    )
     for kind in ("h", "hc"):
         for power in (1, 2, 4):
+
             def pred(l, kind=kind, power=power):
                 mean = P["h"][l].double().mean(0)
                 cp, ch = features(P, l, kind, mean), features(H, l, kind, mean)
@@ -225,6 +240,7 @@ def evaluate(data, seed, only=None):
 
             score(f"state kernel {kind}^{power}", pred)
     for power in (2, 4):
+
         def pred_rs(l, power=power):
             cp, ch = features(P, l, "h"), features(H, l, "h")
             kp = kee * (role_p @ role_p.T) * (cp @ cp.T).pow(power)
@@ -238,10 +254,11 @@ def evaluate(data, seed, only=None):
     for src in ("own", "top"):
         for m in (2, 4, 8):
             for with_role in (False, True):
+
                 def pred_cl(l, src=src, m=m, with_role=with_role):
                     b = l if src == "own" else L - 1
-                    cp = (P["h"][b].double() @ a[b].T)
-                    ch = (H["h"][b].double() @ a[b].T)
+                    cp = P["h"][b].double() @ a[b].T
+                    ch = H["h"][b].double() @ a[b].T
                     cp, ch = cp / cp.norm(dim=1, keepdim=True), ch / ch.norm(dim=1, keepdim=True)
                     cent = kmeans(cp, m, seed)
                     op = torch.nn.functional.one_hot((cp @ cent.T).argmax(1), m).double()
@@ -256,6 +273,7 @@ def evaluate(data, seed, only=None):
                 score(f"cluster {src} m={m}{' x role' if with_role else ''}", pred_cl)
     # the top block's input as a shared state for every block
     for power in (1, 2):
+
         def pred_top(l, power=power):
             top = L - 1
             mean = P["h"][top].double().mean(0)
