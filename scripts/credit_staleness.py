@@ -107,16 +107,40 @@ def cos(a, b):
     return float((a * b).sum()) / d if d > 0 else 0.0
 
 
-def scores(factors, e, g, h, seed):
+def scores(predict, e, g, h, seed):
+    """Median over blocks of the per-position and the update alignment of ``predict(l, e, h)``."""
     d = e.shape[1]
     per_pos, update = [], []
-    for l, f in enumerate(factors):
-        pred = f.apply(e).double()
+    for l in range(len(g)):
+        pred = predict(l, e, h).double()
         per_pos.append(cos(pred, g[l]))
         p = h[l].double() @ adapter_a(seed, l, 32, d).double().T
         update.append(cos(pred.T @ p, g[l].double().T @ p))
     return {"alignment": statistics.median(per_pos), "update": statistics.median(update),
             "per_block": per_pos}  # fmt: skip
+
+
+def linear(factors):
+    return lambda l, e, h: factors[l].apply(e)
+
+
+def state_kernel(e0, g0, h0, power: int = 4, beta_rel: float = 1.0):
+    """The product-kernel ridge ``(e·e')(ĥ·ĥ')^power`` (ĥ the block's normalised input) fitted on a
+    probe: a map conditioned on the position's state (``scripts/credit_study.py``'s ``h^4``)."""
+    unit = lambda x: x / x.norm(dim=1, keepdim=True).clamp_min(1e-30)  # noqa: E731
+    e0 = e0.double()
+    kee, alphas = e0 @ e0.T, {}
+
+    def predict(l, e, h):
+        hp = unit(h0[l].double())
+        if l not in alphas:
+            k = kee * (hp @ hp.T).pow(power)
+            beta = beta_rel * float(k.diagonal().mean())
+            factor = torch.linalg.cholesky(k + beta * torch.eye(len(k), dtype=k.dtype))
+            alphas[l] = torch.cholesky_solve(g0[l].double(), factor)
+        return ((e.double() @ e0.T) * (unit(h[l].double()) @ hp.T).pow(power)) @ alphas[l]
+
+    return predict
 
 
 def main(argv=None):
@@ -136,7 +160,7 @@ def main(argv=None):
     pr = select_probe(train, args.probe_positions, args.seed)
     hpr = select_probe(held, args.heldout_positions, args.seed + 1)
     vocab = torch.tensor(sorted({t for it in pr for t in it.completion}))
-    sets0, _ = probe(parts, pr, pad, args.synthetic, vocab, args.seed)
+    sets0, hp0 = probe(parts, pr, pad, args.synthetic, vocab, args.seed)
     [(he0, hg0)], hh0 = probe(parts, hpr, pad)
     print(f"B = 0 probes in {time.perf_counter() - t0:.0f}s", flush=True)
 
@@ -153,21 +177,22 @@ def main(argv=None):
 
     k, beta = cfg.feedback_rank, cfg.beta_rel
     e0, g0 = sets0[0]
-    maps_by = {"natural (B = 0)": feedback_factors(e0, list(g0), beta, k)}
+    maps_by = {"natural (B = 0)": linear(feedback_factors(e0, list(g0), beta, k))}
     pool = [(e, list(g), torch.zeros(len(e))) for e, g in sets0]
     pe, pg, _ = _pooled(pool)
-    maps_by[f"natural + {args.synthetic} synthetic (B = 0)"] = feedback_factors(pe, pg, beta, k)
+    maps_by[f"natural + {args.synthetic} synthetic (B = 0)"] = linear(feedback_factors(pe, pg, beta, k))
     pe, pg, _ = _pooled(pool[1:])
-    maps_by["synthetic only (B = 0)"] = feedback_factors(pe, pg, beta, k)
-    maps_by["refit at the fitted state"] = feedback_factors(pe1, list(pg1), beta, k)
+    maps_by["synthetic only (B = 0)"] = linear(feedback_factors(pe, pg, beta, k))
+    maps_by["refit at the fitted state"] = linear(feedback_factors(pe1, list(pg1), beta, k))
     # what calibration rounds do: the B = 0 probe pooled with one taken at the fitted state
     pe, pg, _ = _pooled([pool[0], (pe1, list(pg1), torch.zeros(len(pe1)))])
-    maps_by["B = 0 pooled with the fitted state (2 rounds)"] = feedback_factors(pe, pg, beta, k)
+    maps_by["B = 0 pooled with the fitted state (2 rounds)"] = linear(feedback_factors(pe, pg, beta, k))
+    maps_by["state kernel h^4 at B = 0 (credit_study.py)"] = state_kernel(e0, g0, hp0)
     report = {"config": vars(args), "fit": {"frozen": res.frozen_heldout_ce, "heldout_ce": res.heldout_ce,
               "best_iteration": res.best_iteration}, "maps": {}}  # fmt: skip
-    for name, factors in maps_by.items():
-        at0 = scores(factors, he0, hg0, hh0, args.seed)
-        at1 = scores(factors, he1, hg1, hh1, args.seed)
+    for name, predict in maps_by.items():
+        at0 = scores(predict, he0, hg0, hh0, args.seed)
+        at1 = scores(predict, he1, hg1, hh1, args.seed)
         report["maps"][name] = {"heldout_B0": at0, "heldout_fitted": at1}
         print(f"{name:<36} B=0: align {at0['alignment']:+.3f} update {at0['update']:+.3f} | fitted: align "
               f"{at1['alignment']:+.3f} update {at1['update']:+.3f}", flush=True)  # fmt: skip
