@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
+from typing import Self
 
 # The sections of LocaConfig's fields, in the order the CLI shows them.
 SECTIONS = {
@@ -25,8 +26,31 @@ def option(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+class Settings:
+    """What the settings dataclasses share (LoCA's and the baselines'): the dict round trip that a
+    run's configuration files use, and one error naming every invalid field."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Self:
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def refuse_invalid(self, checks: dict[str, bool]) -> None:
+        """Raise a ValueError naming (with its value) every field whose check is False."""
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(
+                f"invalid {type(self).__name__} values: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
+            )
+
+
 @dataclass
-class LocaConfig:
+class LocaConfig(Settings):
     """Hyper-parameters of calibration (Stage I) and forward-only fitting (Stage II)."""
 
     rank: int = option(32, "adapter rank r (A is r×d, fixed; B is d×r, fitted)", section="fit")
@@ -191,14 +215,7 @@ class LocaConfig:
             "batch_size": self.batch_size >= 1,
             "max_length": self.max_length >= 2,
         }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(
-                f"invalid LocaConfig values: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
-            )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        self.refuse_invalid(checks)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LocaConfig:
@@ -206,14 +223,6 @@ class LocaConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LocaConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown LocaConfig keys: {sorted(unknown)}")
-        return cls(**d)
 
 
 # Named configurations. "paper" is the method as the paper states it (random A, fixed-η

@@ -22,23 +22,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..adapters import ResidualAdapters, principal_a
-from ..config import option
+from ..config import Settings, option
 from ..data.batching import Batch
 from ..models import ModelParts
-from .common import HeldoutSelector, MethodResult, completion_loss, epoch_order
+from .common import HeldoutSelector, RestorableRun, completion_loss, epoch_order
 
 CREDITS = ("all", "predict")
 
 
 @dataclass
-class AdapterBpSettings:
+class AdapterBpSettings(Settings):
     """Hyper-parameters of Adapter-BP."""
 
     lrs: list[float] = option([1e-4, 3e-4], "AdamW learning-rate candidates, selected by held-out CE")
@@ -72,21 +72,7 @@ class AdapterBpSettings:
             "a_init": self.a_init in ("random", "principal"),
             "seed": self.seed >= 0,
         }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(
-                f"invalid AdapterBpSettings values: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
-            )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> AdapterBpSettings:
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown AdapterBpSettings keys: {sorted(unknown)}")
-        return cls(**d)
+        self.refuse_invalid(checks)
 
 
 class _PredictCredit(torch.autograd.Function):
@@ -172,25 +158,9 @@ class BackpropAdapters:
         return loss.detach(), list(grads)
 
 
-@dataclass
-class AdapterBpRun:
+class AdapterBpRun(RestorableRun):
     """What :func:`fit_adapter_bp` returns: the result, with the adapters attached at the selected
     B. :meth:`restore` (or leaving a ``with`` block) detaches them: the model is as before."""
-
-    result: MethodResult
-    adapters: ResidualAdapters
-    _undo: Callable[[], None] | None = field(default=None, repr=False)
-
-    def restore(self) -> None:
-        if self._undo is not None:
-            self._undo()
-            self._undo = None
-
-    def __enter__(self) -> AdapterBpRun:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
 
 
 def fit_adapter_bp(

@@ -13,10 +13,11 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 
+from ..adapters import ResidualAdapters
 from ..data.batching import Batch
 from ..evaluation import completion_ce, position_losses
 from ..models import ModelParts
@@ -33,6 +34,28 @@ def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
     key = hashlib.sha256(f"loca-lora-shuffle:{seed}:{epoch}".encode()).digest()[:8]
     gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
     return torch.randperm(n, generator=gen).tolist()
+
+
+@dataclass
+class RestorableRun:
+    """What a fit that leaves the model in its selected state returns: the result, the adapters it
+    fitted (None when it edited the weights), and how to undo it. :meth:`restore` (or leaving a
+    ``with`` block) puts the model back as it was, once."""
+
+    result: MethodResult
+    adapters: ResidualAdapters | None = None
+    _undo: Callable[[], None] | None = field(default=None, repr=False)
+
+    def restore(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
 
 @dataclass

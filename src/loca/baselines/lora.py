@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..config import option
+from ..config import Settings, option
 from ..data.batching import Batch
 from ..models import ModelParts
 from .common import HeldoutSelector, MethodResult, completion_loss, epoch_order
@@ -28,7 +28,7 @@ ADAPTER_NAME = "default"
 
 
 @dataclass
-class LoraSettings:
+class LoraSettings(Settings):
     """Hyper-parameters of the LoRA baseline."""
 
     rank: int = option(32, "LoRA rank r")
@@ -65,24 +65,10 @@ class LoraSettings:
             "grad_clip": self.grad_clip >= 0,
             "seed": self.seed >= 0,
         }
-        bad = [k for k, ok in checks.items() if not ok]
-        if not bad and not self.select and len(self.lrs) != 1:
+        self.refuse_invalid(checks)
+        if not self.select and len(self.lrs) != 1:
             raise ValueError(f"LoraSettings(select=False) keeps the last iterate of one learning rate; "
                              f"got lrs={self.lrs}")  # fmt: skip
-        if bad:
-            raise ValueError(
-                f"invalid LoraSettings values: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
-            )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LoraSettings:
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown LoraSettings keys: {sorted(unknown)}")
-        return cls(**d)
 
 
 def _linear_names(blocks: nn.Module) -> list[str]:

@@ -37,7 +37,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -45,17 +45,17 @@ from tqdm.auto import tqdm
 
 from .. import distributed
 from ..adapters import ResidualAdapters
-from ..config import option
+from ..config import Settings, option
 from ..data.batching import Batch
 from ..models import ModelParts
-from .common import HeldoutSelector, MethodResult, completion_loss
+from .common import HeldoutSelector, MethodResult, RestorableRun, completion_loss
 
 ADAPTER_LRS = (1e-3, 3e-3, 1e-2)  # × 1/√D; see the module docstring
 FULL_LRS = (3e-2, 1e-1, 3e-1)
 
 
 @dataclass
-class MezoSettings:
+class MezoSettings(Settings):
     """Hyper-parameters of Adapter-MeZO and full MeZO."""
 
     lrs: list[float] | None = option(
@@ -85,14 +85,7 @@ class MezoSettings:
             "eval_every": self.eval_every >= 1,
             "rank": self.rank >= 1,
         }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(
-                f"invalid MezoSettings values: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
-            )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        self.refuse_invalid(checks)
 
     def candidates(self, default_lrs: Sequence[float]) -> list[dict]:
         """``{"lr", "eps"}`` for every pair, learning rate first."""
@@ -183,29 +176,13 @@ def spsa_gradient(loss_plus: float, loss_minus: float, eps: float) -> float:
     return (loss_plus - loss_minus) / (2.0 * eps)
 
 
-@dataclass
-class MezoRun:
+class MezoRun(RestorableRun):
     """What a MeZO fit returns: the result, with the model left in the selected state.
 
     Evaluate first, then call :meth:`restore` (or use the run as a context manager): it detaches
     the adapters (adapter-MeZO; the model is bit-identical to before) or copies the original
     weights back bit-exactly (full MeZO). ``adapters`` is None for full MeZO.
     """
-
-    result: MethodResult
-    adapters: ResidualAdapters | None = None
-    _undo: Callable[[], None] | None = field(default=None, repr=False)
-
-    def restore(self) -> None:
-        if self._undo is not None:
-            self._undo()
-            self._undo = None
-
-    def __enter__(self) -> MezoRun:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
 
 
 def fit_adapter_mezo(
