@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from credit_study import cos  # scripts/ is on the path when this file runs
 
 from loca.adapters import adapter_a
 from loca.calibrate import _pooled, calibrate, select_probe
@@ -99,12 +100,6 @@ def probe(parts, items, pad, synthetic: int = 0, vocab: torch.Tensor | None = No
         inputs.append(torch.stack([at_positions(h, batch.pos_b, batch.pos_t).detach().float() for h in ins]))
     out = [(torch.cat(es), torch.cat(gs, 1)) for es, gs in sets]
     return out, torch.cat(inputs, 1)
-
-
-def cos(a, b):
-    a, b = a.double(), b.double()
-    d = float(a.norm() * b.norm())
-    return float((a * b).sum()) / d if d > 0 else 0.0
 
 
 def scores(predict, e, g, h, seed):

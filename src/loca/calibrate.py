@@ -68,7 +68,7 @@ class FeedbackMaps:
 
     def mask(self, roles: Tensor, dtype: torch.dtype = torch.float32) -> Tensor | None:
         """N × width: the columns of each position's map (None for one map)."""
-        return None if self.gates == 1 else gate_mask(roles, self.gates, self.rank, dtype)
+        return gate_mask(roles, self.gates, self.rank, dtype)
 
     def sigma(self, layer: int) -> Tensor:
         """Singular values of block ``layer``'s map (the column norms of U_k Σ_k)."""
@@ -371,14 +371,14 @@ def calibrate(
         if probe_synthetic:
             sets.append((errors[n:], [g[n:] for g in grads], roles.repeat(probe_synthetic)))
         errors, grads = sets[0][:2]
-        if pool is not None:  # as before synthetic sets: a pool is always scaled (_pooled)
+        if pool is not None:  # a pool is always scaled (_pooled); a lone natural probe is fitted as it is
             pool.extend(sets)
             sets = pool
         fitted = sets[0] if pool is None and len(sets) == 1 else _pooled(sets)
         factors = fit_factors(*fitted, feedback_gate, beta_rel, feedback_rank)
         gates = GATES[feedback_gate]
         rank = factors[0].v.shape[1] // gates
-        mask = None if gates == 1 else gate_mask(roles, gates, rank)
+        mask = gate_mask(roles, gates, rank)
         gen = torch.Generator().manual_seed(seed)
         d = parts.hidden_size
         random_maps = [random_factors(d, rank, gen) for _ in factors]
@@ -395,7 +395,7 @@ def calibrate(
                 memory_mb=probe_memory_mb,
             )  # fmt: skip
             h_roles = probe_roles(heldout_probe, pad_id)
-            h_mask = None if gates == 1 else gate_mask(h_roles, gates, rank)
+            h_mask = gate_mask(h_roles, gates, rank)
             diag["heldout"] = [alignment(f, h_err, g, h_mask) for f, g in zip(factors, h_grads, strict=True)]
     finally:
         parts.model.train(was_training)

@@ -93,8 +93,11 @@ def feedback_factors(
     return out
 
 
-def gate_mask(roles: Tensor, gates: int, rank: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """N × gates·rank: row t is 1 in the ``rank`` columns of its role's map, 0 elsewhere."""
+def gate_mask(roles: Tensor, gates: int, rank: int, dtype: torch.dtype = torch.float32) -> Tensor | None:
+    """N × gates·rank: row t is 1 in the ``rank`` columns of its role's map, 0 elsewhere; None for
+    one map (``gates`` = 1: every position takes every column)."""
+    if gates == 1:
+        return None
     return torch.nn.functional.one_hot(roles.long(), gates).to(dtype).repeat_interleave(rank, dim=1)
 
 
