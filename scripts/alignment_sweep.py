@@ -1,13 +1,13 @@
 """Sweep the feedback-map ridge, rank and probe size, and measure in-probe vs held-out alignment.
 
 For each task, the probe gradients (head errors E and per-block hidden-state gradients G_l) are
-computed once per probe size with :func:`loca.calibrate.probe_gradients`, and once for a fixed
+computed once per probe size with :func:`loca.method.calibrate.probe_gradients`, and once for a fixed
 held-out probe (``--heldout-positions`` predict positions of the held-out items, seed + 1, as
-:class:`loca.calibrate.Calibrator` draws it). The probes are nested: the seeded
-:func:`loca.calibrate.select_probe` takes items in one fixed order, so the smaller probe is a prefix
+:class:`loca.method.calibrate.Calibrator` draws it). The probes are nested: the seeded
+:func:`loca.method.calibrate.select_probe` takes items in one fixed order, so the smaller probe is a prefix
 of the larger one and only the extra items of the larger probe need a backward pass. Then every
-(beta_rel, k) is a cheap refit with :func:`loca.ridge.feedback_factors`, scored with
-:func:`loca.ridge.alignment` on the probe and on the held-out probe.
+(beta_rel, k) is a cheap refit with :func:`loca.core.ridge.feedback_factors`, scored with
+:func:`loca.core.ridge.alignment` on the probe and on the held-out probe.
 
 Run from the project root::
 
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from loca.calibrate import probe_gradients, select_probe
+from loca.core.ridge import alignment, feedback_factors, random_factors
 from loca.data import encode_examples, get_task, load_splits
 from loca.data.batching import pad_token_id
-from loca.models import find_parts, fingerprint, load_model
-from loca.ridge import alignment, feedback_factors, random_factors
-from loca.versions import versions
+from loca.infra.versions import versions
+from loca.method.calibrate import probe_gradients, select_probe
+from loca.models.parts import find_parts, fingerprint, load_model
 
 SWEEP_KEYS = (
     "n_train",

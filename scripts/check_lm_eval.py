@@ -3,8 +3,8 @@
 For each task, a seeded sample of test items (``loca.data.load_test``) is scored three ways on the
 same model object:
 
-* **loca**: :func:`loca.evaluation.evaluate` (the reported numbers) and
-  :func:`loca.evaluation.score_choices` over :func:`loca.data.encoding.encode_choices` (per choice);
+* **loca**: :func:`loca.eval.evaluation.evaluate` (the reported numbers) and
+  :func:`loca.eval.evaluation.score_choices` over :func:`loca.data.encoding.encode_choices` (per choice);
 * **lm-eval, by hand**: ``HFLM.loglikelihood`` on ``Instance(request_type="loglikelihood",
   arguments=(prompt, " " + choice))`` requests, then ``acc``/``acc_norm`` as
   ``ConfigurableTask.process_results`` computes them for ``multiple_choice`` (``np.argmax(lls)``
@@ -75,8 +75,8 @@ def choice_texts(ex) -> list[str]:
 def loca_side(parts, tokenizer, task, examples, max_length: int, batch_size: int) -> dict:
     from loca.data.batching import make_batches, pad_token_id
     from loca.data.encoding import encode_choices
-    from loca.evaluation import evaluate, score_choices
-    from loca.metrics import rank_choices
+    from loca.eval.evaluation import evaluate, score_choices
+    from loca.eval.metrics import rank_choices
 
     metrics = evaluate(parts, tokenizer, task, examples, max_length=max_length,
                        batch_size=batch_size, add_eos=task.add_eos)
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     import transformers
     from lm_eval.models.huggingface import HFLM
 
-    from loca.models import find_parts, load_model
+    from loca.models.parts import find_parts, load_model
 
     logging.getLogger("lm-eval").setLevel(logging.ERROR)
     model, tokenizer = load_model(args.model, device="cpu")

@@ -34,15 +34,15 @@ from pathlib import Path
 import torch
 from credit_study import cos  # scripts/ is on the path when this file runs
 
-from loca.adapters import adapter_a
-from loca.calibrate import _pooled, calibrate, select_probe
 from loca.config import LocaConfig
+from loca.core.head import head_loss_and_error
+from loca.core.ridge import feedback_factors
 from loca.data import encode_examples, get_task, load_splits
 from loca.data.batching import make_batches, pad_token_id
-from loca.fit import fit
-from loca.head import head_loss_and_error
-from loca.models import at_positions, find_parts, load_model
-from loca.ridge import feedback_factors
+from loca.method.adapters import adapter_a
+from loca.method.calibrate import _pooled, calibrate, select_probe
+from loca.method.fit import fit
+from loca.models.parts import at_positions, find_parts, load_model
 
 
 def parse_args(argv=None):

@@ -2,7 +2,7 @@
 forward pass knows at a predict position) predict the true block-output gradients on held-out data?
 
 Step 1 (``collect``): one probe backward over a seeded probe of the training items and one over the
-held-out items (as :class:`loca.calibrate.Calibrator` draws them), keeping per predict position the
+held-out items (as :class:`loca.method.calibrate.Calibrator` draws them), keeping per predict position the
 head error e, every block's true gradient g_l, every block's *input* h_{l-1}, the position's role
 (first answer token, inside, EOS) and its target token. Cached in ``--cache``.
 
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from loca.adapters import adapter_a
-from loca.calibrate import _probe_step, select_probe
 from loca.data import encode_examples, get_task, load_splits
 from loca.data.batching import make_batches, pad_token_id
-from loca.models import at_positions, find_parts, load_model
+from loca.method.adapters import adapter_a
+from loca.method.calibrate import _probe_step, select_probe
+from loca.models.parts import at_positions, find_parts, load_model
 
 
 def parse_args(argv=None):

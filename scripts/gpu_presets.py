@@ -17,8 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from loca.cli import main as loca
-from loca.plotting import panel_grid, plt
+from loca.cli.main import main as loca
+from loca.infra.plotting import panel_grid, plt
 
 PRESETS = {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62,
            "qwen2.5-14b": 14.8}  # billions of parameters

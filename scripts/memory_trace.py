@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from loca.bench_phases import build_phases
+from loca.bench.phases import build_phases
 from loca.config import DataConfig, LocaConfig, ModelConfig
 from loca.pipeline import Pipeline
 

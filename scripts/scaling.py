@@ -13,8 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-from loca.cli import main as loca
-from loca.plotting import panel_grid, plt
+from loca.cli.main import main as loca
+from loca.infra.plotting import panel_grid, plt
 
 TOKENS = [("sst2", n, 256) for n in (32, 64, 128, 256)]  # (task, sequences, max length)
 LENGTHS = [("boolq", 32, length) for length in (64, 128, 256, 512)]

@@ -60,6 +60,6 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct ``(model, tokenizer)`` via its offline alias (slow)."""
-    from loca.models import load_model
+    from loca.models.parts import load_model
 
     return load_model("smollm2-135m-instruct", device="cpu")

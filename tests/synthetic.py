@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from loca.data.batching import Encoded
-from loca.models import find_parts
+from loca.models.parts import find_parts
 
 VOCAB = 97
 

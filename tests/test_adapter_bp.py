@@ -5,11 +5,11 @@ import pytest
 import torch
 from synthetic import sequences, tiny_llama
 
-from loca.adapters import ResidualAdapters, adapter_a
 from loca.baselines.adapter_bp import AdapterBpSettings, BackpropAdapters, fit_adapter_bp
 from loca.baselines.common import completion_loss
 from loca.data.batching import make_batches
-from loca.evaluation import completion_ce, position_losses
+from loca.eval.evaluation import completion_ce, position_losses
+from loca.method.adapters import ResidualAdapters, adapter_a
 
 
 @pytest.fixture(autouse=True)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from synthetic import sequences, tiny_llama
 
-from loca.adapters import CheckpointMismatchError, ResidualAdapters, adapter_a
 from loca.data.batching import make_batches
+from loca.method.adapters import CheckpointMismatchError, ResidualAdapters, adapter_a
 
 
 def logits(model, batch):
@@ -142,7 +142,7 @@ def test_adapter_files_are_locas_own_and_legacy_folders_still_load(tmp_path):
 
 
 def test_disable_adapter_runs_the_frozen_model_and_generation_matches_uncached():
-    from loca.evaluation import completion_ce
+    from loca.eval.evaluation import completion_ce
 
     model, parts = tiny_llama()
     batches = make_batches(sequences(8), pad_id=0, batch_size=8)
@@ -166,7 +166,7 @@ def test_disable_adapter_runs_the_frozen_model_and_generation_matches_uncached()
 
 @pytest.mark.parametrize("budget_mb", [64.0, 1e-9])  # all blocks encoded at the end / each at once
 def test_recorder_codes_and_norms_are_those_of_the_gathered_rows(budget_mb):
-    from loca.adapters import Recorder
+    from loca.method.adapters import Recorder
 
     gen = torch.Generator().manual_seed(0)
     batch, width, d, r = 3, 5, 8, 2

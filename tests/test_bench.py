@@ -7,8 +7,8 @@ import time
 import torch
 from tiny import SENTIMENT_TEMPLATE, save_model_and_task
 
-from loca.bench import measure_phases
-from loca.cli import main
+from loca.bench.measure import measure_phases
+from loca.cli.main import main
 
 MB = 2**20
 

@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from synthetic import sequences, tiny_llama
 
-from loca.adapters import CheckpointMismatchError
-from loca.calibrate import FeedbackMaps, calibrate, probe_gradients, select_probe
+from loca.core.ridge import feedback_factors
 from loca.data.batching import make_batches
-from loca.ridge import feedback_factors
+from loca.method.adapters import CheckpointMismatchError
+from loca.method.calibrate import FeedbackMaps, calibrate, probe_gradients, select_probe
 
 
 def reference_gradients(model, parts, batch):
@@ -94,8 +94,8 @@ def test_probe_keeps_no_parameter_gradients():
 def test_calibration_leaves_parameter_grads_empty_whatever_requires_grad():
     """A model not loaded by ``load_model`` has ``requires_grad`` on every parameter: calibration
     (and a Calibrator with pooled rounds) must neither fill ``.grad`` nor change the flags."""
-    from loca.calibrate import Calibrator
     from loca.config import LocaConfig
+    from loca.method.calibrate import Calibrator
 
     model, parts = tiny_llama()
     model.requires_grad_(True)
@@ -113,7 +113,7 @@ def test_checkpointed_probe_gives_the_same_gradients_and_recomputes_each_block()
     """Per-block recomputation in the probe: the same errors and gradients (float64), each block
     run twice per micro-batch (forward, then again in the backward), and the blocks' own
     ``forward`` back afterwards."""
-    from loca.calibrate import checkpointed
+    from loca.method.calibrate import checkpointed
 
     model, parts = tiny_llama()
     items = sequences(12)
@@ -152,10 +152,10 @@ def test_a_memory_budget_bounds_the_probe_micro_batches(monkeypatch):
     micro-batches then hold at most the tokens that fit, and the rows are the same."""
     import importlib
 
-    import loca.bench
+    import loca.bench.measure
 
-    cal = importlib.import_module("loca.calibrate")
-    from loca.calibrate import probe_token_budget
+    cal = importlib.import_module("loca.method.calibrate")
+    from loca.method.calibrate import probe_token_budget
 
     class FakePeak:  # 0.5 MB per trial: the longest sequence costs 0.5 MB
         def __init__(self, device):
@@ -170,7 +170,7 @@ def test_a_memory_budget_bounds_the_probe_micro_batches(monkeypatch):
     _, parts = tiny_llama()
     items = sequences(20)
     longest = max(len(it.ids) for it in items)
-    monkeypatch.setattr(loca.bench, "PeakMemory", FakePeak)
+    monkeypatch.setattr(loca.bench.measure, "PeakMemory", FakePeak)
     assert probe_token_budget(parts, items, 0, True, memory_mb=2.0) == 4 * longest
     assert probe_token_budget(parts, items, 0, True, memory_mb=0.1) == longest  # never below one sequence
     seen = []

@@ -11,7 +11,7 @@ from tiny import (
     tiny_tokenizer,
 )
 
-from loca.cli import main
+from loca.cli.main import main
 
 TEMPLATE = SENTIMENT_TEMPLATE
 

@@ -10,10 +10,10 @@ import pytest
 from tiny import save_tiny_model, write_sentiment_task
 
 from loca.baselines.lora import LoraSettings
-from loca.cli import main
+from loca.cli.main import main
 from loca.compare import CompareSettings, MethodConfigs
 from loca.config import LocaConfig
-from loca.metrics import recovery_ce
+from loca.eval.metrics import recovery_ce
 
 METHODS = ["frozen", "lora", "adapter-mezo", "loca", "mezo", "loca-abs"]
 
@@ -96,9 +96,9 @@ def test_unknown_method_is_a_clear_error(setup, capsys):
 
 
 def test_list_flags_take_commas_or_spaces():
-    from loca.cli import build_parser
+    from loca.cli.args import config_from_args, dataclass_from_args
+    from loca.cli.main import build_parser
     from loca.compare import CompareSettings
-    from loca.recipes.common import config_from_args, dataclass_from_args
 
     args = build_parser().parse_args(
         ["compare", "--out", "x", "--methods", "frozen,lora", "loca", "--seeds", "0,1", "--etas", "0.01,0.03"]

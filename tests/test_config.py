@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from loca.cli.args import add_config_args, config_from_args
 from loca.config import LocaConfig
-from loca.recipes.common import add_config_args, config_from_args
 
 
 def test_round_trip_through_json():
@@ -77,7 +77,7 @@ def test_config_file_then_flags(tmp_path):
 
 def test_a_yaml_config_holds_every_section(tmp_path):
     """``--config x.yaml`` with model, data and LoCA sections; flags given still win."""
-    from loca.recipes.common import add_data_args, add_model_args, sections_from_args
+    from loca.cli.args import add_data_args, add_model_args, sections_from_args
 
     p = argparse.ArgumentParser()
     add_model_args(p)

@@ -5,12 +5,12 @@ import torch
 from synthetic import sequences, tiny_llama
 from test_fit import adapter_gradient, short_prompt_items
 
-from loca.adapters import ResidualAdapters
-from loca.calibrate import FeedbackMaps, calibrate, probe_gradients, probe_roles
 from loca.config import LocaConfig
+from loca.core.ridge import alignment, feedback_factors, gate_mask, gated_feedback_factors, solve_block
 from loca.data.batching import Encoded, make_batches, position_roles
-from loca.fit import collect_statistics, fit
-from loca.ridge import alignment, feedback_factors, gate_mask, gated_feedback_factors, solve_block
+from loca.method.adapters import ResidualAdapters
+from loca.method.calibrate import FeedbackMaps, calibrate, probe_gradients, probe_roles
+from loca.method.fit import collect_statistics, fit
 
 
 def test_position_roles():
@@ -192,7 +192,7 @@ def test_synthetic_probe_rows_are_exact_gradients_of_their_errors(recompute):
 
 
 def test_synthetic_rows_join_the_fit_as_one_pooled_set():
-    from loca.calibrate import _pooled
+    from loca.method.calibrate import _pooled
 
     model, parts = tiny_llama(hidden=32, layers=2)
     items = sequences(12, seed=5, answers=6)

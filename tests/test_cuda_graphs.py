@@ -29,10 +29,10 @@ def pipeline(tmp_path, dtype="float32", device="cuda", **cfg):
 @pytest.mark.parametrize("dtype, tol, gate", [("float32", 1e-5, "none"), ("bfloat16", 2e-2, "none"),
                                               ("float32", 1e-5, "role")])  # fmt: skip
 def test_graphed_passes_equal_eager_and_follow_b_and_maps(tmp_path, dtype, tol, gate):
-    from loca.adapters import ResidualAdapters
-    from loca.evaluation import completion_ce
-    from loca.fit import collect_statistics
-    from loca.graphs import batch_graphs
+    from loca.eval.evaluation import completion_ce
+    from loca.method.adapters import ResidualAdapters
+    from loca.method.fit import collect_statistics
+    from loca.method.graphs import batch_graphs
 
     pipe = pipeline(tmp_path, dtype, feedback_gate=gate)  # role: each position's map picked in the graph
     parts = pipe.parts
@@ -78,8 +78,8 @@ def test_fit_with_graphs_matches_the_eager_fit(tmp_path):
 
 
 def test_prepared_batches_are_padded_and_give_the_same_losses(tmp_path):
-    from loca.evaluation import position_losses
-    from loca.graphs import BUCKET, _prepared
+    from loca.eval.evaluation import position_losses
+    from loca.method.graphs import BUCKET, _prepared
 
     pipe = pipeline(tmp_path, device="cpu")
     for batch in pipe.batched()[0]:

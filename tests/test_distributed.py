@@ -64,9 +64,9 @@ def _dp_setup(rank: int, world: int, store: str):
     import torch.distributed as dist
     from synthetic import sequences, tiny_llama
 
-    from loca.calibrate import Calibrator
     from loca.config import LocaConfig
     from loca.data.batching import make_batches
+    from loca.method.calibrate import Calibrator
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -85,9 +85,9 @@ def _worker(rank: int, world: int, store: str, result_file: str) -> None:
     """One rank: calibrate and fit a float64 tiny model on the shared data; rank 0 saves B."""
     import torch.distributed as dist
 
-    from loca.adapters import principal_a
-    from loca.evaluation import completion_ce
-    from loca.fit import fit
+    from loca.eval.evaluation import completion_ce
+    from loca.method.adapters import principal_a
+    from loca.method.fit import fit
 
     parts, _, maps, train, heldout, cfg = _dp_setup(rank, world, store)
     res = fit(parts, maps, train, heldout, cfg, progress=False)
@@ -153,7 +153,7 @@ def test_compare_under_torchrun_matches_one_process(tmp_path):
 def _sum_worker(rank: int, world: int, store: str, result_file: str) -> None:
     import torch.distributed as dist
 
-    from loca import distributed
+    from loca.infra import distributed
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     calls = []
@@ -194,9 +194,9 @@ def _resume_worker(rank: int, world: int, store: str, folder: str) -> None:
     ``loca fit`` does) and resumed from that file on every rank."""
     import torch.distributed as dist
 
-    from loca import distributed
-    from loca.checkpoint import load_fit_state, save_fit_state
-    from loca.fit import fit
+    from loca.infra import distributed
+    from loca.method.checkpoint import load_fit_state, save_fit_state
+    from loca.method.fit import fit
 
     parts, _, maps, train, heldout, cfg = _dp_setup(rank, world, store)
     whole = fit(parts, maps, train, heldout, cfg, progress=False)

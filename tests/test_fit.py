@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 from synthetic import VOCAB, sequences, tiny_llama
 
-from loca.adapters import ResidualAdapters, adapter_a
-from loca.calibrate import FeedbackMaps, calibrate
 from loca.config import LocaConfig
+from loca.core.ridge import FeedbackFactors, solve_block
 from loca.data.batching import Encoded, make_batches
-from loca.fit import block_groups, collect_statistics, fit, solve_blocks
-from loca.ridge import FeedbackFactors, solve_block
+from loca.method.adapters import ResidualAdapters, adapter_a
+from loca.method.calibrate import FeedbackMaps, calibrate
+from loca.method.fit import block_groups, collect_statistics, fit, solve_blocks
 
-fit_mod = importlib.import_module("loca.fit")  # the module, not the re-exported function
+fit_mod = importlib.import_module("loca.method.fit")  # the module, not the re-exported function
 
 
 def short_prompt_items(n, seed=0):
@@ -100,7 +100,7 @@ def test_fit_improves_heldout_ce_and_records_history():
     best = min(res.history, key=lambda r: r["heldout_ce"])
     assert best["heldout_ce"] == res.heldout_ce and best["eta"] == res.eta
     # the adapters hold the selected snapshot
-    from loca.evaluation import completion_ce
+    from loca.eval.evaluation import completion_ce
 
     assert completion_ce(parts, heldout).mean == pytest.approx(res.heldout_ce, rel=1e-9)
     # iteration 1 of every candidate used the same shared statistics: identical training CE

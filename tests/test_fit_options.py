@@ -8,15 +8,15 @@ import pytest
 import torch
 from synthetic import sequences, tiny_llama
 
-from loca.adapters import ResidualAdapters, principal_a
-from loca.calibrate import Calibrator, FeedbackMaps
 from loca.config import LocaConfig
+from loca.core.ridge import FeedbackFactors, nystrom_top_eigenvectors
 from loca.data.batching import make_batches
-from loca.evaluation import completion_ce
-from loca.fit import fit
-from loca.ridge import FeedbackFactors, nystrom_top_eigenvectors
+from loca.eval.evaluation import completion_ce
+from loca.method.adapters import ResidualAdapters, principal_a
+from loca.method.calibrate import Calibrator, FeedbackMaps
+from loca.method.fit import fit
 
-fit_mod = importlib.import_module("loca.fit")
+fit_mod = importlib.import_module("loca.method.fit")
 
 
 def setup(seed=0, **cfg_kw):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loca.head import LogitTransform, head_loss_and_error
+from loca.core.head import LogitTransform, head_loss_and_error
 
 
 def reference(hn, w, b, y, transform, logits_dtype=torch.float64):
@@ -63,7 +63,7 @@ def test_low_precision_error_does_not_depend_on_the_chunking(bias):
     """While the N×V logits fit WHOLE_BYTES, each pass is one matmul and the chunks only split
     the float32 work: any chunking gives the one-chunk result (float32 rounding aside). Beyond it,
     each chunk's error is rounded to the head's dtype on its own (a few bf16 ulps)."""
-    import loca.head as head
+    import loca.core.head as head
 
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(300, 24, generator=gen).to(torch.bfloat16)

@@ -11,8 +11,8 @@ from tiny import tiny_model, tiny_tokenizer
 from loca.baselines.common import completion_loss
 from loca.baselines.lora import LoraRun, LoraSettings, fit_lora
 from loca.data.batching import encode, make_batches, pad_token_id
-from loca.evaluation import completion_ce
-from loca.models import find_parts
+from loca.eval.evaluation import completion_ce
+from loca.models.parts import find_parts
 
 pytest.importorskip("peft")
 

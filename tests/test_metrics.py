@@ -12,12 +12,11 @@ import torch
 import torch.nn.functional as F
 from tiny import tiny_model, tiny_tokenizer
 
-import loca.evaluation as metrics_mod
-from loca.adapters import ResidualAdapters
+import loca.eval.evaluation as metrics_mod
 from loca.data import Example, encode_choices, encode_examples, get_task
 from loca.data.batching import Encoded, make_batches, pad_token_id
-from loca.evaluation import completion_ce, evaluate, ranking_accuracy
-from loca.metrics import (
+from loca.eval.evaluation import completion_ce, evaluate, ranking_accuracy
+from loca.eval.metrics import (
     RECOVERY_FLAG,
     TokenCE,
     accuracy_stderr,
@@ -30,7 +29,8 @@ from loca.metrics import (
     recovery_ce,
     recovery_report,
 )
-from loca.models import find_parts
+from loca.method.adapters import ResidualAdapters
+from loca.models.parts import find_parts
 
 EXAMPLES = [
     Example(question="a charming and often affecting journey . ", choices=("negative", "positive"),
@@ -291,7 +291,7 @@ def test_evaluate_reports_truncation(tok, parts):
 
 
 def test_cli_tasks(capsys):
-    from loca.cli import main
+    from loca.cli.main import main
 
     assert main(["tasks"]) == 0
     out = capsys.readouterr().out
@@ -306,7 +306,7 @@ def test_cli_tasks(capsys):
 
 
 def test_cli_evaluate_writes_results(tmp_path, tok, model, capsys):
-    from loca.cli import main
+    from loca.cli.main import main
 
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)

@@ -7,7 +7,6 @@ import pytest
 import torch
 from synthetic import sequences, tiny_llama
 
-from loca.adapters import ResidualAdapters
 from loca.baselines.common import completion_loss
 from loca.baselines.mezo import (
     ADAPTER_LRS,
@@ -19,7 +18,8 @@ from loca.baselines.mezo import (
     spsa_gradient,
 )
 from loca.data.batching import make_batches
-from loca.evaluation import completion_ce, position_losses
+from loca.eval.evaluation import completion_ce, position_losses
+from loca.method.adapters import ResidualAdapters
 
 mezo_mod = importlib.import_module("loca.baselines.mezo")
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from loca import zoo
-from loca.head import head_loss_and_error
-from loca.models import UnsupportedModelError, find_parts, fingerprint
+from loca.models import zoo
+from loca.core.head import head_loss_and_error
+from loca.models.parts import UnsupportedModelError, find_parts, fingerprint
 
 VOCAB = 101
 LAYERS = 2
@@ -403,7 +403,7 @@ def test_alias_special_tokens_are_pinned_whatever_the_converter_picked():
     alias conversion sets them, and the model's config and generation config ids, explicitly."""
     from tiny import tiny_model, tiny_tokenizer
 
-    from loca.zoo import ALIASES, pin_special_tokens
+    from loca.models.zoo import ALIASES, pin_special_tokens
 
     tok = tiny_tokenizer()
     model = tiny_model(tok)
@@ -444,7 +444,7 @@ def test_arch_folders_hold_the_published_shapes(tmp_path):
     from tiny import tiny_tokenizer
     from transformers import AutoConfig, AutoTokenizer
 
-    from loca.archs import ARCHS, arch_folder, write_arch_folder
+    from loca.models.archs import ARCHS, arch_folder, write_arch_folder
 
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     out = write_arch_folder("qwen2.5-7b", tmp_path / "q7", tokenizer_from=tmp_path / "tok")
@@ -461,7 +461,7 @@ def test_arch_folders_hold_the_published_shapes(tmp_path):
 def test_random_init_keeps_tied_embeddings_tied(tmp_path):
     from tiny import save_tiny_model
 
-    from loca.models import load_model
+    from loca.models.parts import load_model
 
     save_tiny_model(tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())

@@ -17,7 +17,7 @@ def test_a_model_spread_over_two_gpus_fits_like_one(tmp_path):
     from accelerate import dispatch_model
 
     from loca import DataConfig, LocaConfig, ModelConfig, Pipeline
-    from loca.models import load_model
+    from loca.models.parts import load_model
 
     save_tiny_model(tmp_path / "model")
     write_sentiment_task(tmp_path / "task.jsonl", 80, random.Random(0))

@@ -14,10 +14,10 @@ from tiny import (
     tiny_tokenizer,
 )
 
-import loca.io as io_mod
-from loca.cli import main
-from loca.io import FolderInUseError, atomic_dir, atomic_write_json
-from loca.runs import MARKER, RunFolderError, prepare_run_dir
+import loca.infra.io as io_mod
+from loca.cli.main import main
+from loca.infra.io import FolderInUseError, atomic_dir, atomic_write_json
+from loca.infra.runs import MARKER, RunFolderError, prepare_run_dir
 
 TEMPLATE = SENTIMENT_TEMPLATE
 
@@ -247,7 +247,7 @@ def test_debug_shows_the_traceback(setup, tmp_path):
 
 
 def test_fingerprint_sees_a_change_in_any_weight(setup):
-    from loca.models import find_parts, fingerprint
+    from loca.models.parts import find_parts, fingerprint
 
     root, _ = setup
     model = tiny_model(tiny_tokenizer())
@@ -308,8 +308,8 @@ def test_sigterm_leaves_a_consistent_best_snapshot(setup, tmp_path):
     import sys
     import time
 
-    from loca.adapters import ResidualAdapters
-    from loca.models import find_parts, load_model
+    from loca.method.adapters import ResidualAdapters
+    from loca.models.parts import find_parts, load_model
 
     root, common = setup
     out = tmp_path / "run"
@@ -333,7 +333,7 @@ def test_sigterm_leaves_a_consistent_best_snapshot(setup, tmp_path):
     adapters = ResidualAdapters.from_pretrained(find_parts(model), out / "adapter")
     assert adapters.norm() > 0
     assert not list(out.glob(".adapter*")) and not list(out.glob(".*.tmp"))  # no temporaries left
-    from loca.runs import run_command
+    from loca.infra.runs import run_command
 
     assert run_command(out) == "fit"
 
@@ -350,7 +350,7 @@ def test_a_full_disk_at_the_end_loses_no_metrics(setup, tmp_path, capsys, monkey
     one line, and no partial file is left."""
     import errno
 
-    import loca.recipes.evaluate as ev_mod
+    import loca.cli.evaluate_command as ev_mod
 
     def full(path, obj):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

@@ -8,8 +8,8 @@ import statistics
 import pytest
 from tiny import SENTIMENT_TEMPLATE, save_tiny_model, write_sentiment_task
 
-from loca.cli import main
-from loca.report import alignment_medians, read_run, read_runs, running_best, table_row, trajectories
+from loca.cli.main import main
+from loca.eval.run_report import alignment_medians, read_run, read_runs, running_best, table_row, trajectories
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,15 +1,15 @@
-"""Resuming an interrupted fit: from the state saved after any iteration, :func:`loca.fit.fit`
+"""Resuming an interrupted fit: from the state saved after any iteration, :func:`loca.method.fit.fit`
 reaches exactly the adapters, selection and history of an uninterrupted fit (CPU, fixed seed)."""
 
 import pytest
 import torch
 from synthetic import sequences, tiny_llama
 
-from loca.calibrate import Calibrator
-from loca.checkpoint import load_fit_state, save_fit_state
 from loca.config import LocaConfig
 from loca.data.batching import make_batches
-from loca.fit import fit
+from loca.method.calibrate import Calibrator
+from loca.method.checkpoint import load_fit_state, save_fit_state
+from loca.method.fit import fit
 
 TIMING = {"time_s", "elapsed_s"}
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loca.ridge import (
+from loca.core.ridge import (
     BlockStats,
     NonFiniteStatisticsError,
     alignment,

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from loca.calibrate import calibrate, select_probe
 from loca.config import LocaConfig
 from loca.data import encode_examples, get_task, load_splits
 from loca.data.batching import make_batches, pad_token_id
-from loca.fit import fit
-from loca.models import find_parts
+from loca.method.calibrate import calibrate, select_probe
+from loca.method.fit import fit
+from loca.models.parts import find_parts
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 pytestmark = [

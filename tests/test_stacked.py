@@ -3,7 +3,7 @@ anything else is copied as torch would."""
 
 import torch
 
-from loca import stacked
+from loca.core import stacked
 
 
 def _blocks(n=5, shape=(4, 3), seed=0):

@@ -51,7 +51,7 @@ def python(code: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def loca(*argv: str) -> subprocess.CompletedProcess:
-    return python("import sys; from loca.cli import main; sys.exit(main(sys.argv[1:]))", *argv)
+    return python("import sys; from loca.cli.main import main; sys.exit(main(sys.argv[1:]))", *argv)
 
 
 FORWARD_ONLY = """
@@ -75,7 +75,7 @@ def run(self, *args, **kwargs):  # keep the model's parameters to look at afterw
 
 loca.pipeline.Pipeline.run = run
 with torch.autograd.graph.saved_tensors_hooks(no_graph, no_graph):
-    from loca.cli import main
+    from loca.cli.main import main
     code = main(sys.argv[1:])
 assert not torch.is_grad_enabled()
 assert seen and all(p.grad is None and not p.requires_grad for p in seen), "a parameter has a .grad"
@@ -87,7 +87,7 @@ import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 import loca
 from loca.data import get_task, load_test
-from loca.evaluation import evaluate
+from loca.eval.evaluation import evaluate
 
 model_dir, adapter, task_file, template, out = sys.argv[1:]
 model = AutoModelForCausalLM.from_pretrained(model_dir)  # a plain Hugging Face model
@@ -150,7 +150,7 @@ def test_calibrate_here_fit_forward_only_there_use_anywhere(root):
 def test_maps_for_another_task_or_overlapping_heldout_are_refused(root, capsys):
     if not (root / "maps").exists():
         loca("calibrate", *common(root), *DATA, "--out", str(root / "maps"))
-    from loca.cli import main
+    from loca.cli.main import main
 
     other_task = root / "other.jsonl"
     write_sentiment_task(other_task, 60, random.Random(1))
@@ -194,7 +194,7 @@ def test_an_interrupted_fit_resumes_to_the_same_result(root, tmp_path):
                        for x in (d / "history.jsonl").read_text().splitlines()]  # fmt: skip
     assert strip(whole) == strip(cut)
     assert not (cut / "checkpoint").exists()  # removed once the run finished
-    from loca.cli import main
+    from loca.cli.main import main
 
     assert main(["fit", "--resume", "--out", str(cut)]) == 2  # finished: nothing to resume
     assert main(["fit", "--resume", "--out", str(cut), "--rank", "8"]) == 2  # settings come from the run

@@ -9,17 +9,17 @@ Typical use::
     import loca  # later, on a plain Hugging Face model
     adapters = loca.from_pretrained(model, "runs/sst2/adapter")  # attached; adapters.unload() removes
 
-The building blocks: :class:`Calibrator` (Stage I), :func:`fit` (Stage II), :mod:`loca.evaluation`.
+The building blocks: :class:`Calibrator` (Stage I), :func:`fit` (Stage II), :mod:`loca.eval.evaluation`.
 """
 
-from .adapters import CheckpointMismatchError, ResidualAdapters, from_pretrained
-from .calibrate import Calibrator, FeedbackMaps, calibrate, select_probe
 from .config import DataConfig, LocaConfig, ModelConfig
-from .fit import FitResult, FitState, fit
-from .head import LogitTransform, head_loss_and_error
-from .models import ModelParts, UnsupportedModelError, find_parts, fingerprint, load_model
+from .core.head import LogitTransform, head_loss_and_error
+from .core.ridge import NonFiniteStatisticsError
+from .method.adapters import CheckpointMismatchError, ResidualAdapters, from_pretrained
+from .method.calibrate import Calibrator, FeedbackMaps, calibrate, select_probe
+from .method.fit import FitResult, FitState, fit
+from .models.parts import ModelParts, UnsupportedModelError, find_parts, fingerprint, load_model
 from .pipeline import Pipeline
-from .ridge import NonFiniteStatisticsError
 
 __version__ = "0.1.0"
 

@@ -25,21 +25,21 @@ from pathlib import Path
 
 import torch
 
-from . import distributed
-from .adapters import CONFIG_NAMES, ResidualAdapters
-from .calibrate import MAPS_CONFIG, Calibrator, FeedbackMaps
-from .checkpoint import STATE_CONFIG, load_fit_state, save_fit_state
 from .config import DataConfig, LocaConfig, ModelConfig, sections_from_dict
 from .data import Batch, Encoded, Splits, degenerate_warnings, encode_examples, get_task, load_splits
 from .data import load_test as load_test_split
 from .data.batching import make_batches, pad_token_id, padding_fraction
 from .data.encoding import count_truncated
-from .evaluation import evaluate
-from .fit import FitResult, fit
-from .io import atomic_write_json, atomic_write_text, is_artefact
-from .models import ModelParts, clamp_max_length, find_parts, fingerprint, load_model
-from .runs import prepare_run_dir, require_finite, run_command
-from .versions import versions
+from .eval.evaluation import evaluate
+from .infra import distributed
+from .infra.io import atomic_write_json, atomic_write_text, is_artefact
+from .infra.runs import prepare_run_dir, require_finite, run_command
+from .infra.versions import versions
+from .method.adapters import CONFIG_NAMES, ResidualAdapters
+from .method.calibrate import MAPS_CONFIG, Calibrator, FeedbackMaps
+from .method.checkpoint import STATE_CONFIG, load_fit_state, save_fit_state
+from .method.fit import FitResult, fit
+from .models.parts import ModelParts, clamp_max_length, find_parts, fingerprint, load_model
 
 log = logging.getLogger("loca")
 
@@ -226,7 +226,7 @@ class Pipeline:
 
     # -- Stage II -----------------------------------------------------------------------------
     def fit(self, maps: FeedbackMaps, **callbacks) -> FitResult:
-        """Stage II on the run's batches (see :func:`loca.fit.fit` for ``callbacks``: on_iteration,
+        """Stage II on the run's batches (see :func:`loca.method.fit.fit` for ``callbacks``: on_iteration,
         on_improve, on_checkpoint, resume). A forward-only fit (no re-calibration, no alignment
         diagnostic) runs with autograd disabled."""
         train, heldout = self.batched()
@@ -238,7 +238,7 @@ class Pipeline:
 
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, examples=None, adapters: ResidualAdapters | None = None) -> dict:
-        """Test metrics (:func:`loca.evaluation.evaluate`) of the model as it is, or with
+        """Test metrics (:func:`loca.eval.evaluation.evaluate`) of the model as it is, or with
         ``adapters`` attached for the call; ``examples`` default to the test split."""
         examples = self.test_set()[0] if examples is None else examples
         args = dict(max_length=self.cfg.max_length, batch_size=self.cfg.batch_size,

@@ -1,6 +1,6 @@
 """Adapter-BP: LoCA's own residual adapters with B trained by backpropagation (the ceiling).
 
-The adapters are :class:`~loca.adapters.ResidualAdapters` (``h_l += B_l A_l h_{l-1}``, A fixed
+The adapters are :class:`~loca.method.adapters.ResidualAdapters` (``h_l += B_l A_l h_{l-1}``, A fixed
 from the seed as LoCA's, B from 0); B is trained with AdamW on the exact gradient of the
 completion loss (:func:`~.common.completion_loss`), over the comparison's minibatches, and
 selected by held-out CE like every method (:class:`~.common.HeldoutSelector`). Whatever credit
@@ -28,10 +28,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..adapters import ResidualAdapters, principal_a
 from ..config import Settings, option
 from ..data.batching import Batch
-from ..models import ModelParts
+from ..method.adapters import ResidualAdapters, principal_a
+from ..models.parts import ModelParts
 from .common import HeldoutSelector, RestorableRun, completion_loss, epoch_order
 
 CREDITS = ("all", "predict")

@@ -3,7 +3,7 @@ snapshot (the frozen model included), and the result record.
 
 Every method trains on the same :class:`~loca.data.batching.Batch` objects that LoCA fits on, with
 the same loss (mean per-token CE over the completion tokens, answer + EOS, at the predict
-positions), and is selected by the same held-out CE (:func:`loca.evaluation.completion_ce`).
+positions), and is selected by the same held-out CE (:func:`loca.eval.evaluation.completion_ce`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any, Self
 
 import torch
 
-from ..adapters import ResidualAdapters
 from ..data.batching import Batch
-from ..evaluation import completion_ce, position_losses
-from ..models import ModelParts
+from ..eval.evaluation import completion_ce, position_losses
+from ..method.adapters import ResidualAdapters
+from ..models.parts import ModelParts
 
 
 def completion_loss(parts: ModelParts, batch: Batch) -> torch.Tensor:

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..config import Settings, option
 from ..data.batching import Batch
-from ..models import ModelParts
+from ..models.parts import ModelParts
 from .common import HeldoutSelector, MethodResult, completion_loss, epoch_order
 
 ADAPTER_NAME = "default"

@@ -8,7 +8,7 @@ seeded by (seed, t, tensor index) and never stored::
 
 After the ±ε pair θ is copied back from a backup, so it is bit-identical to before (adding and
 subtracting εz in floating point is not exact). Adapter-MeZO perturbs the B matrices of LoCA's own
-:class:`~loca.adapters.ResidualAdapters` (A fixed); full MeZO perturbs every weight of the model.
+:class:`~loca.method.adapters.ResidualAdapters` (A fixed); full MeZO perturbs every weight of the model.
 Both are selected like every method of the comparison (:class:`~.common.HeldoutSelector`).
 
 Why the default learning rates (``lr`` is given *before* the 1/√D scaling; ``η = lr/√D``): to
@@ -43,11 +43,11 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .. import distributed
-from ..adapters import ResidualAdapters
 from ..config import Settings, option
 from ..data.batching import Batch
-from ..models import ModelParts
+from ..infra import distributed
+from ..method.adapters import ResidualAdapters
+from ..models.parts import ModelParts
 from .common import HeldoutSelector, MethodResult, RestorableRun, completion_loss
 
 ADAPTER_LRS = (1e-3, 3e-3, 1e-2)  # × 1/√D; see the module docstring

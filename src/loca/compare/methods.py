@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..baselines.common import HeldoutSelector, MethodResult
-from ..calibrate import Calibrator
 from ..config import LocaConfig
 from ..data import Batch, Encoded, Splits, Task
-from ..fit import fit
-from ..models import ModelParts
+from ..method.calibrate import Calibrator
+from ..method.fit import fit
+from ..models.parts import ModelParts
 
 METHODS = (
     "frozen", "lora", "lora-paper", "loca", "loca-abs", "adapter-bp", "adapter-bp-predict", "adapter-mezo",
@@ -114,8 +114,8 @@ def run_lora(cell: CellData, settings, method: str = "lora") -> Outcome:
 def run_adapter_bp(cell: CellData, settings, method: str = "adapter-bp") -> Outcome:
     """LoCA's adapters (its A for this seed; a principal A from LoCA's own batches) with B trained
     by backpropagation on the minibatches."""
-    from ..adapters import ResidualAdapters, principal_a
     from ..baselines.adapter_bp import fit_adapter_bp
+    from ..method.adapters import ResidualAdapters, principal_a
 
     a = None
     if settings.a_init == "principal":

@@ -6,7 +6,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from ..plotting import panel_grid, plt
+from ..infra.plotting import panel_grid, plt
 from .methods import METHODS
 
 # LoCA variants take C5–C9 (write_plots)

@@ -17,8 +17,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..io import atomic_write_json, atomic_write_text
-from ..metrics import RECOVERY_FLAG, recovery_acc, recovery_ce
+from ..eval.metrics import RECOVERY_FLAG, recovery_acc, recovery_ce
+from ..infra.io import atomic_write_json, atomic_write_text
 from .methods import CEILINGS, METHODS
 from .store import jsonable
 

@@ -14,15 +14,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .. import distributed
 from ..baselines.adapter_bp import AdapterBpSettings
-from ..bench import PeakMemory
+from ..bench.measure import PeakMemory
 from ..config import PRESETS, DataConfig, LocaConfig, ModelConfig, option
 from ..data import get_task, make_batches
-from ..io import atomic_write_json
-from ..models import clamp_max_length, find_parts, fingerprint, load_model
+from ..infra import distributed
+from ..infra.io import atomic_write_json
+from ..infra.versions import versions
+from ..models.parts import clamp_max_length, find_parts, fingerprint, load_model
 from ..pipeline import Pipeline
-from ..versions import versions
 from .methods import (
     METHODS,
     CellData,

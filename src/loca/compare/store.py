@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from ..io import atomic_write_json
+from ..infra.io import atomic_write_json
 
 CELLS = "cells"
 

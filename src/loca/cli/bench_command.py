@@ -5,8 +5,8 @@ Example::
     loca bench --model smollm2-135m-instruct --task sst2 --data-dir data \
         --phases forward,calibrate,stage2,full-run,lora,adapter-mezo --out runs/bench
 
-Phases (see :mod:`loca.bench_phases`): ``forward``, ``backbone``, ``calibrate``, ``stage2`` (one
-Stage II step, :func:`loca.fit.stage2_pass`, the very step ``loca fit`` takes), ``stage2-eager``
+Phases (see :mod:`loca.bench.phases`): ``forward``, ``backbone``, ``calibrate``, ``stage2`` (one
+Stage II step, :func:`loca.method.fit.stage2_pass`, the very step ``loca fit`` takes), ``stage2-eager``
 (the same without CUDA graphs), ``full-run`` (calibration + a short fit), ``lora`` (one epoch of
 PEFT LoRA), ``adapter-mezo`` and ``mezo`` (as many SPSA steps). ``--synthetic-length L`` runs on
 random token sequences of exactly L tokens instead of the task's. Interleaved and repeated;
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
-from ..bench import measure_phases
-from ..bench_phases import PHASES, build_phases, ratio_table
+from ..bench.measure import measure_phases
+from ..bench.phases import PHASES, build_phases, ratio_table
 from ..data.synthetic import synthetic_items
-from ..io import atomic_write_json, atomic_write_text
-from ..runs import prepare_run_dir
-from ..versions import versions
-from .common import add_config_args, add_data_args, add_model_args, add_output_args, pipeline_from_args
+from ..infra import distributed
+from ..infra.io import atomic_write_json, atomic_write_text
+from ..infra.runs import prepare_run_dir
+from ..infra.versions import versions
+from .args import add_config_args, add_data_args, add_model_args, add_output_args, pipeline_from_args
 
 DATA_DEFAULTS = dict(n_train=64, n_heldout=1, n_test=1)
 

@@ -13,7 +13,7 @@ import argparse
 from ..data import TASKS, get_task
 from ..data.sources import describe_source, has_split, load_task_split, source_kind
 from ..data.splits import PARTITION_SEED, PARTITION_TEST_FRACTION
-from .common import resolve_data_dir
+from .args import resolve_data_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

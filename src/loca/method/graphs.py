@@ -23,9 +23,9 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from torch import Tensor
 
+from ..data.batching import Batch
+from ..models.parts import ModelParts
 from .adapters import ResidualAdapters
-from .data.batching import Batch
-from .models import ModelParts
 
 
 class BatchGraphs:

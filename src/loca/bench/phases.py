@@ -3,7 +3,7 @@
 - ``forward``: a plain inference forward of the causal LM over the training batches, logits
   included, as a user would run it; ``backbone``: the same without the LM head (the floor).
 - ``calibrate``: Stage I (probe forward + backward, ridge fits).
-- ``stage2``: one Stage II step, :func:`loca.fit.stage2_pass` with non-zero adapters (on one
+- ``stage2``: one Stage II step, :func:`loca.method.fit.stage2_pass` with non-zero adapters (on one
   CUDA device through the CUDA graphs a fit uses, captured in the untimed warm-up);
   ``stage2-eager``: the same step without graphs (the two differ only on a GPU).
 - ``full-run``: what ``loca fit`` does before evaluating: calibration, then a fit of
@@ -23,10 +23,10 @@ from dataclasses import replace
 
 import torch
 
-from .adapters import ResidualAdapters
-from .calibrate import Calibrator
-from .fit import block_groups, fit, stage2_pass
-from .graphs import BatchGraphs, batch_graphs
+from ..method.adapters import ResidualAdapters
+from ..method.calibrate import Calibrator
+from ..method.fit import block_groups, fit, stage2_pass
+from ..method.graphs import BatchGraphs, batch_graphs
 
 PHASES = ("forward", "backbone", "calibrate", "stage2", "stage2-eager", "full-run", "lora", "adapter-mezo",
           "mezo")
@@ -83,24 +83,24 @@ def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[st
             fit(parts, maps, batches, heldout, short, progress=False).adapters.detach()
 
     def lora():
-        from .baselines.lora import LoraSettings, fit_lora
+        from ..baselines.lora import LoraSettings, fit_lora
 
         settings = LoraSettings(rank=32, lrs=[1e-4], epochs=1, seed=cfg.seed)
         fit_lora(parts, batches, heldout, settings, progress=False).unload()
 
     def mezo_settings():
-        from .baselines.mezo import MezoSettings
+        from ..baselines.mezo import MezoSettings
 
         steps = len(batches)
         return MezoSettings(lrs=[1e-3], max_steps=steps, eval_every=steps, seed=cfg.seed, rank=cfg.rank)
 
     def adapter_mezo():
-        from .baselines.mezo import fit_adapter_mezo
+        from ..baselines.mezo import fit_adapter_mezo
 
         fit_adapter_mezo(parts, batches, heldout, mezo_settings(), progress=False).restore()
 
     def mezo():
-        from .baselines.mezo import fit_mezo
+        from ..baselines.mezo import fit_mezo
 
         fit_mezo(parts, batches, heldout, mezo_settings(), progress=False).restore()
 

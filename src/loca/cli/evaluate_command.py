@@ -18,11 +18,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import DataConfig, LocaConfig
-from ..io import atomic_write_json
-from ..models import fingerprint
-from ..runs import prepare_run_dir, require_finite, undefined_as_none
-from ..versions import versions
-from .common import (
+from ..infra.io import atomic_write_json
+from ..infra.runs import prepare_run_dir, require_finite, undefined_as_none
+from ..infra.versions import versions
+from ..models.parts import fingerprint
+from .args import (
     add_dataclass_args,
     add_model_args,
     add_output_args,
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     examples, record = pipeline.test_set()
     adapters = None
     if args.adapter:
-        from ..adapters import ResidualAdapters
+        from ..method.adapters import ResidualAdapters
 
         adapters = ResidualAdapters.from_pretrained(pipeline.parts, args.adapter)
     t0 = time.perf_counter()

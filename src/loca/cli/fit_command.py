@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from .. import distributed
 from ..config import DataConfig, LocaConfig, ModelConfig
+from ..infra import distributed
 from ..pipeline import Pipeline
-from .common import (
+from .args import (
     add_config_args,
     add_data_args,
     add_model_args,

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from . import distributed, stacked
-from .io import atomic_dir, atomic_write_json
-from .models import ModelParts, at_positions, find_parts, fingerprint
-from .ridge import nystrom_top_eigenvectors
+from ..core import stacked
+from ..core.ridge import nystrom_top_eigenvectors
+from ..infra import distributed
+from ..infra.io import atomic_dir, atomic_write_json
+from ..models.parts import ModelParts, at_positions, find_parts, fingerprint
 
 # loca's own file names: PEFT's (adapter_model.safetensors, adapter_config.json) would make PEFT
 # and transformers mistake the folder for a PEFT adapter they cannot read. Folders written with
@@ -44,7 +45,7 @@ def principal_a(parts: ModelParts, batches, rank: int, seed: int = 0, oversample
     block l's input at the predict positions, from one forward pass over ``batches``.
 
     Each block streams only the sketch ``Σ Hᵀ(HΩ)`` (d×m, m = r + ``oversample``) with a seeded
-    Gaussian Ω; :func:`loca.ridge.nystrom_top_eigenvectors` turns it into the eigenvectors, so no
+    Gaussian Ω; :func:`loca.core.ridge.nystrom_top_eigenvectors` turns it into the eigenvectors, so no
     d×d matrix and no hidden state outlives its batch. Deterministic for a fixed seed on CPU."""
     d = parts.hidden_size
     m = min(d, rank + oversample)

@@ -16,14 +16,10 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from . import distributed, stacked
-from .adapters import check_fingerprint, read_json_object, read_safetensors
-from .config import LocaConfig
-from .data.batching import ROLES, Encoded, make_batches
-from .head import head_loss_and_error
-from .io import atomic_dir, atomic_write_json
-from .models import ModelParts, at_positions, fingerprint
-from .ridge import (
+from ..config import LocaConfig
+from ..core import stacked
+from ..core.head import head_loss_and_error
+from ..core.ridge import (
     FeedbackFactors,
     alignment,
     feedback_factors,
@@ -31,7 +27,12 @@ from .ridge import (
     gated_feedback_factors,
     random_factors,
 )
-from .versions import versions
+from ..data.batching import ROLES, Encoded, make_batches
+from ..infra import distributed
+from ..infra.io import atomic_dir, atomic_write_json
+from ..infra.versions import versions
+from ..models.parts import ModelParts, at_positions, fingerprint
+from .adapters import check_fingerprint, read_json_object, read_safetensors
 
 _DEFAULTS = LocaConfig()  # the keyword defaults below are LocaConfig's
 MAPS_WEIGHTS = "feedback_maps.safetensors"
@@ -268,7 +269,7 @@ def probe_token_budget(parts: ModelParts, items: Sequence[Encoded], pad_id: int,
     longest sequence measures the peak per token (GPU: allocated memory; CPU: sampled RSS), and
     the budget is scaled from it, never below that one sequence. None when the trial shows no
     measurable growth (everything fits)."""
-    from .bench import PeakMemory
+    from ..bench.measure import PeakMemory
 
     longest = max(items, key=lambda it: len(it.ids))
     trial = make_batches([longest], pad_id, batch_size=1)[0]
@@ -452,7 +453,7 @@ class Calibrator:
             return self.refit()
         from dataclasses import replace
 
-        from .data.batching import make_batches
+        from ..data.batching import make_batches
         from .fit import fit
 
         cfg = replace(self.cfg, max_iters=self.cfg.calibration_round_iters, recalibrate_every=0,

@@ -17,10 +17,10 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..calibrate import MAPS_CONFIG
-from ..io import ensure_replaceable
-from ..runs import refuse_model_folder
-from .common import (
+from ..infra.io import ensure_replaceable
+from ..infra.runs import refuse_model_folder
+from ..method.calibrate import MAPS_CONFIG
+from .args import (
     add_config_args,
     add_data_args,
     add_model_args,
@@ -30,7 +30,7 @@ from .common import (
     refuse_flags,
     section_fields,
 )
-from .fit import DATA_DEFAULTS
+from .fit_command import DATA_DEFAULTS
 
 log = logging.getLogger("loca")
 # the fit's splits (the probe comes from its training examples); the test split is not used here

@@ -19,15 +19,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .. import distributed
 from ..baselines.adapter_bp import AdapterBpSettings
 from ..baselines.lora import LoraSettings
 from ..baselines.mezo import MezoSettings
 from ..compare import CompareSettings, MethodConfigs, run_compare
 from ..compare.report import write_report
 from ..compare.store import CellStore
-from ..runs import prepare_run_dir, run_command
-from .common import (
+from ..infra import distributed
+from ..infra.runs import prepare_run_dir, run_command
+from .args import (
     add_config_args,
     add_dataclass_args,
     add_model_args,

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .io import atomic_dir
+from ..infra.io import atomic_dir
 
 MARKER = "loca_alias.json"  # written last; a folder without it is incomplete
 

@@ -23,17 +23,18 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from . import distributed, stacked
+from ..config import LocaConfig
+from ..core import stacked
+from ..core.head import head_loss_and_error
+from ..core.ridge import BlockStats, NonFiniteStatisticsError, solve_block
+from ..data.batching import Batch
+from ..eval.evaluation import completion_ce, reduce_ce
+from ..eval.metrics import TokenCE
+from ..infra import distributed
+from ..models.parts import ModelParts
 from .adapters import Recorder, ResidualAdapters, principal_a
 from .calibrate import Calibrator, FeedbackMaps
-from .config import LocaConfig
-from .data.batching import Batch
-from .evaluation import completion_ce, reduce_ce
 from .graphs import BatchGraphs, batch_graphs
-from .head import head_loss_and_error
-from .metrics import TokenCE
-from .models import ModelParts
-from .ridge import BlockStats, NonFiniteStatisticsError, solve_block
 
 
 def block_groups(num_blocks: int, groups: int) -> list[list[int]]:
@@ -89,7 +90,7 @@ def collect_statistics(
 
     The hooks only gather each block's input rows at the predict positions (one kernel per
     block); the codes p = A h and input norms are formed for a few blocks at a time
-    (:class:`loca.adapters.Recorder`), the statistics of all blocks on a device as one stack,
+    (:class:`loca.method.adapters.Recorder`), the statistics of all blocks on a device as one stack,
     and nothing is copied to the host inside the loop, so a GPU never waits on Python. With
     ``graphs`` (made for these ``batches``) each batch's forward, head error and codes replay a
     CUDA graph. Data-parallel: each rank runs its share of the batches, and the statistics and
@@ -141,7 +142,7 @@ def solve_blocks(
     eta: float, lam_rel: float, center: str, budget_mb: float = 64.0,
 ) -> None:  # fmt: skip
     """Replace ``B_l`` of every block in ``blocks`` by its ridge solve, in place: batched solves
-    (:func:`loca.ridge.solve_block` on a stack) per device, over as many blocks at a time as keep
+    (:func:`loca.core.ridge.solve_block` on a stack) per device, over as many blocks at a time as keep
     the solve's float64 d×r temporaries (about six per block) within ``budget_mb``."""
     d, r = adapters.parts.hidden_size, adapters.rank
     step = max(1, int(budget_mb * 2**20 // (6 * d * r * 8)))
@@ -173,7 +174,7 @@ def stage2_pass(
     then each block's ridge solve with step ``eta``. Leaves the adapters at the new B and returns
     ``(training CE at b, the first group's statistics)``; pass those back as ``first`` to retry
     from the same ``b`` with another η without a new forward pass. ``graphs``: CUDA graphs made
-    for ``train`` (:class:`loca.graphs.BatchGraphs`). This is the step :func:`fit` takes and
+    for ``train`` (:class:`loca.method.graphs.BatchGraphs`). This is the step :func:`fit` takes and
     ``loca bench`` times."""
     groups = groups or block_groups(parts.num_blocks, cfg.groups)
     adapters.set_b(b)
@@ -313,7 +314,7 @@ class FitState:
 
     ``fit(..., on_checkpoint=)`` hands one over after every iteration and ``fit(..., resume=)``
     continues from it to the result an uninterrupted fit gives (on the CPU, bit for bit: every
-    statistic is recomputed from the restored B, deterministically). :mod:`loca.checkpoint`
+    statistic is recomputed from the restored B, deterministically). :mod:`loca.method.checkpoint`
     writes and reads it."""
 
     iteration: int

@@ -4,21 +4,30 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import signal
 import sys
 
-# subcommand -> recipe module under loca.recipes
-RECIPES = {
-    "fit": "fit",
-    "calibrate": "calibrate",
-    "evaluate": "evaluate",
-    "tasks": "tasks",
-    "bench": "bench",
-    "compare": "compare",
-    "generate": "generate",
-    "report": "report",
+from . import (
+    bench_command,
+    calibrate_command,
+    compare_command,
+    evaluate_command,
+    fit_command,
+    generate_command,
+    report_command,
+    tasks_command,
+)
+
+COMMANDS = {  # subcommand -> its module (add_arguments, run)
+    "fit": fit_command,
+    "calibrate": calibrate_command,
+    "evaluate": evaluate_command,
+    "tasks": tasks_command,
+    "bench": bench_command,
+    "compare": compare_command,
+    "generate": generate_command,
+    "report": report_command,
 }
 
 
@@ -28,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in RECIPES.items():
-        recipe = importlib.import_module(f"loca.recipes.{module}")
+    for name, recipe in COMMANDS.items():
         p = sub.add_parser(
             name,
             help=recipe.__doc__.strip().splitlines()[0],
@@ -45,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. An error ends in one line on stderr (exit 2 for bad input, 1 for any
     other failure); ``loca --debug ...`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
-    from . import distributed
+    from ..infra import distributed
 
     distributed.init_from_env(getattr(args, "device", None) or "auto")  # under torchrun
     quiet = getattr(args, "quiet", False) or not distributed.is_main()  # rank 0 speaks

@@ -15,9 +15,9 @@ import argparse
 
 import torch
 
-from ..adapters import from_pretrained
-from ..models import load_model
-from .common import add_model_args, add_output_args, model_config_from_args
+from ..method.adapters import from_pretrained
+from ..models.parts import load_model
+from .args import add_model_args, add_output_args, model_config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

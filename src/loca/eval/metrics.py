@@ -1,5 +1,5 @@
 """Evaluation metrics as pure functions: standard errors, token CE sums, ranking accuracy from
-scores, recovery ratios. Running a model to get the scores is :mod:`loca.evaluation`."""
+scores, recovery ratios. Running a model to get the scores is :mod:`loca.eval.evaluation`."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .head import LogitTransform
+from ..core.head import LogitTransform
 
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm")
 
@@ -209,7 +209,7 @@ def load_model(
     trust_remote_code: bool = False, device_map: str | None = None,
 ):  # fmt: skip
     """Load ``(model, tokenizer)`` from a local folder, a built-in offline alias, a hub id, or
-``arch:NAME`` (a published architecture with random weights, :mod:`loca.archs`).
+``arch:NAME`` (a published architecture with random weights, :mod:`loca.models.archs`).
 
     With ``random_init`` only the config and tokenizer are read and the weights are drawn at
     random (seeded): for time and memory measurements of an architecture, which do not depend on

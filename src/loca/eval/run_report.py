@@ -13,8 +13,8 @@ from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from .io import atomic_write_json, atomic_write_text
-from .plotting import panel_grid, plt
+from ..infra.io import atomic_write_json, atomic_write_text
+from ..infra.plotting import panel_grid, plt
 
 FILES = ("report.md", "report.json", "heldout_ce.png", "alignment.png")
 COLUMNS = {  # row key -> table heading

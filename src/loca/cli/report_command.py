@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..report import FILES, read_runs, write_report
-from ..runs import prepare_run_dir
+from ..eval.run_report import FILES, read_runs, write_report
+from ..infra.runs import prepare_run_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""A fit's resumable state on disk: :class:`loca.fit.FitState` as ``fit_state.safetensors`` (A and
+"""A fit's resumable state on disk: :class:`loca.method.fit.FitState` as ``fit_state.safetensors`` (A and
 every B: the trajectories' and the best snapshot's) and ``fit_state.json`` (the rest), written
 atomically after every iteration. Re-calibrated maps, if any, go to ``maps/`` beside them."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..infra.io import atomic_dir, atomic_write_json
+from ..models.parts import ModelParts
 from .adapters import read_json_object, read_safetensors
 from .calibrate import MAPS_CONFIG, FeedbackMaps
 from .fit import FitState
-from .io import atomic_dir, atomic_write_json
-from .models import ModelParts
 
 STATE_WEIGHTS = "fit_state.safetensors"
 STATE_CONFIG = "fit_state.json"

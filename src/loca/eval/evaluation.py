@@ -1,6 +1,6 @@
 """Running the model for evaluation: per-position losses at the predict positions only, held-out
 CE, choice scores, and the test metrics (CE with and without EOS, acc, acc_norm, standard errors).
-The pure metric functions are in :mod:`loca.metrics`."""
+The pure metric functions are in :mod:`loca.eval.metrics`."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from . import distributed
-from .data.batching import Batch
-from .head import head_loss_and_error
+from ..core.head import head_loss_and_error
+from ..data.batching import Batch
+from ..infra import distributed
+from ..models.parts import ModelParts
 from .metrics import TokenCE, rank_choices
-from .models import ModelParts
 
 if TYPE_CHECKING:
-    from .graphs import BatchGraphs
+    from ..method.graphs import BatchGraphs
 
 
 def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
@@ -33,7 +33,7 @@ def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
 @torch.inference_mode()
 def completion_ce(parts: ModelParts, batches: Sequence[Batch], graphs: BatchGraphs | None = None) -> TokenCE:
     """Mean per-token CE over the completion tokens of ``batches`` (EOS included and excluded).
-    ``graphs``: CUDA graphs made for these ``batches`` (:class:`loca.graphs.BatchGraphs`).
+    ``graphs``: CUDA graphs made for these ``batches`` (:class:`loca.method.graphs.BatchGraphs`).
     Data-parallel: each rank runs its share of the batches and the sums are reduced."""
     losses, eos = [], []
     for index in distributed.owned(len(batches)):  # no host sync inside the loop
@@ -158,8 +158,8 @@ def evaluate(
     :func:`completion_ce` over :func:`loca.data.encoding.encode_examples`; with it, the gold
     prompt may keep a token or so less (the shortest prompt any choice needs).
     """
-    from .data.batching import make_batches, pad_token_id, padding_fraction
-    from .data.encoding import count_truncated, encode_choices
+    from ..data.batching import make_batches, pad_token_id, padding_fraction
+    from ..data.encoding import count_truncated, encode_choices
 
     examples = list(examples)
     if not examples:

@@ -1,0 +1,1 @@
+"""Time and memory measurement (``measure``) and the phases ``loca bench`` times (``phases``)."""
