@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from loca.models import zoo
 from loca.core.head import head_loss_and_error
+from loca.models import zoo
 from loca.models.parts import UnsupportedModelError, find_parts, fingerprint
 
 VOCAB = 101
