@@ -31,7 +31,7 @@ from loca.core.ridge import alignment, feedback_factors, random_factors
 from loca.data import encode_examples, get_task, load_splits
 from loca.data.batching import pad_token_id
 from loca.infra.versions import versions
-from loca.method.calibrate import probe_gradients, select_probe
+from loca.method.probe import probe_gradients, select_probe
 from loca.models.parts import find_parts, fingerprint, load_model
 
 SWEEP_KEYS = (

@@ -40,8 +40,9 @@ from loca.core.ridge import feedback_factors
 from loca.data import encode_examples, get_task, load_splits
 from loca.data.batching import make_batches, pad_token_id
 from loca.method.adapters import adapter_a
-from loca.method.calibrate import _pooled, calibrate, select_probe
+from loca.method.calibrate import _pooled, calibrate
 from loca.method.fit import fit
+from loca.method.probe import select_probe
 from loca.models.parts import at_positions, find_parts, load_model
 
 

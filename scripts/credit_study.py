@@ -27,7 +27,7 @@ import torch
 from loca.data import encode_examples, get_task, load_splits
 from loca.data.batching import make_batches, pad_token_id
 from loca.method.adapters import adapter_a
-from loca.method.calibrate import _probe_step, select_probe
+from loca.method.probe import _probe_step, select_probe
 from loca.models.parts import at_positions, find_parts, load_model
 
 

@@ -5,7 +5,8 @@ import torch
 from synthetic import sequences, tiny_llama
 
 from loca.data.batching import make_batches
-from loca.method.adapters import CheckpointMismatchError, ResidualAdapters, adapter_a
+from loca.method.adapters import ResidualAdapters, adapter_a
+from loca.method.artefacts import CheckpointMismatchError
 
 
 def logits(model, batch):
@@ -166,7 +167,7 @@ def test_disable_adapter_runs_the_frozen_model_and_generation_matches_uncached()
 
 @pytest.mark.parametrize("budget_mb", [64.0, 1e-9])  # all blocks encoded at the end / each at once
 def test_recorder_codes_and_norms_are_those_of_the_gathered_rows(budget_mb):
-    from loca.method.adapters import Recorder
+    from loca.method.stage2 import Recorder
 
     gen = torch.Generator().manual_seed(0)
     batch, width, d, r = 3, 5, 8, 2

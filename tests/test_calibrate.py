@@ -7,8 +7,10 @@ from synthetic import sequences, tiny_llama
 
 from loca.core.ridge import feedback_factors
 from loca.data.batching import make_batches
-from loca.method.adapters import CheckpointMismatchError
-from loca.method.calibrate import FeedbackMaps, calibrate, probe_gradients, select_probe
+from loca.method.artefacts import CheckpointMismatchError
+from loca.method.calibrate import calibrate
+from loca.method.maps import FeedbackMaps
+from loca.method.probe import probe_gradients, select_probe
 
 
 def reference_gradients(model, parts, batch):
@@ -95,7 +97,9 @@ def test_calibration_leaves_parameter_grads_empty_whatever_requires_grad():
     """A model not loaded by ``load_model`` has ``requires_grad`` on every parameter: calibration
     (and a Calibrator with pooled rounds) must neither fill ``.grad`` nor change the flags."""
     from loca.config import LocaConfig
+    from loca.data.batching import make_batches
     from loca.method.calibrate import Calibrator
+    from loca.method.run import calibrate_maps
 
     model, parts = tiny_llama()
     model.requires_grad_(True)
@@ -103,7 +107,8 @@ def test_calibration_leaves_parameter_grads_empty_whatever_requires_grad():
     calibrate(parts, items, sequences(6, seed=3), feedback_rank=4, beta_rel=1e-3, probe_micro_batch=5)
     cfg = LocaConfig(feedback_rank=4, rank=4, probe_positions=30, calibration_rounds=2,
                      calibration_round_iters=2, batch_size=8)
-    Calibrator(parts, items, sequences(6, seed=3), cfg, pad_id=0).calibrate()
+    heldout = sequences(6, seed=3)
+    calibrate_maps(Calibrator(parts, items, heldout, cfg, pad_id=0), make_batches(items, 0, 8), make_batches(heldout, 0, 8), cfg)
     params = list(model.parameters())
     assert all(p.requires_grad for p in params)
     assert all(p.grad is None for p in params)
@@ -113,7 +118,7 @@ def test_checkpointed_probe_gives_the_same_gradients_and_recomputes_each_block()
     """Per-block recomputation in the probe: the same errors and gradients (float64), each block
     run twice per micro-batch (forward, then again in the backward), and the blocks' own
     ``forward`` back afterwards."""
-    from loca.method.calibrate import checkpointed
+    from loca.method.probe import checkpointed
 
     model, parts = tiny_llama()
     items = sequences(12)
@@ -154,8 +159,8 @@ def test_a_memory_budget_bounds_the_probe_micro_batches(monkeypatch):
 
     import loca.bench.measure
 
-    cal = importlib.import_module("loca.method.calibrate")
-    from loca.method.calibrate import probe_token_budget
+    cal = importlib.import_module("loca.method.probe")
+    from loca.method.probe import probe_token_budget
 
     class FakePeak:  # 0.5 MB per trial: the longest sequence costs 0.5 MB
         def __init__(self, device):

@@ -9,8 +9,11 @@ from loca.config import LocaConfig
 from loca.core.ridge import alignment, feedback_factors, gate_mask, gated_feedback_factors, solve_block
 from loca.data.batching import Encoded, make_batches, position_roles
 from loca.method.adapters import ResidualAdapters
-from loca.method.calibrate import FeedbackMaps, calibrate, probe_gradients, probe_roles
-from loca.method.fit import collect_statistics, fit
+from loca.method.calibrate import calibrate
+from loca.method.fit import fit
+from loca.method.maps import FeedbackMaps
+from loca.method.probe import probe_gradients, probe_roles
+from loca.method.stage2 import collect_statistics
 
 
 def test_position_roles():

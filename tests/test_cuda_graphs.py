@@ -31,8 +31,8 @@ def pipeline(tmp_path, dtype="float32", device="cuda", **cfg):
 def test_graphed_passes_equal_eager_and_follow_b_and_maps(tmp_path, dtype, tol, gate):
     from loca.eval.evaluation import completion_ce
     from loca.method.adapters import ResidualAdapters
-    from loca.method.fit import collect_statistics
     from loca.method.graphs import batch_graphs
+    from loca.method.stage2 import collect_statistics
 
     pipe = pipeline(tmp_path, dtype, feedback_gate=gate)  # role: each position's map picked in the graph
     parts = pipe.parts

@@ -76,7 +76,7 @@ def _dp_setup(rank: int, world: int, store: str):
     cfg = LocaConfig(rank=8, feedback_rank=8, probe_positions=60, probe_micro_batch=5, max_iters=4,
                      step_control="fixed", etas=[0.02, 0.1], batch_size=6)  # fmt: skip
     cal = Calibrator(parts, train_items, heldout_items, cfg, pad_id=0)
-    maps = cal.calibrate()
+    maps = cal.refit()
     train, heldout = make_batches(train_items, 0, 6), make_batches(heldout_items, 0, 6)
     return parts, cal, maps, train, heldout, cfg
 
@@ -86,7 +86,7 @@ def _worker(rank: int, world: int, store: str, result_file: str) -> None:
     import torch.distributed as dist
 
     from loca.eval.evaluation import completion_ce
-    from loca.method.adapters import principal_a
+    from loca.method.a_init import principal_a
     from loca.method.fit import fit
 
     parts, _, maps, train, heldout, cfg = _dp_setup(rank, world, store)
@@ -195,8 +195,8 @@ def _resume_worker(rank: int, world: int, store: str, folder: str) -> None:
     import torch.distributed as dist
 
     from loca.infra import distributed
-    from loca.method.checkpoint import load_fit_state, save_fit_state
     from loca.method.fit import fit
+    from loca.method.state import load_fit_state, save_fit_state
 
     parts, _, maps, train, heldout, cfg = _dp_setup(rank, world, store)
     whole = fit(parts, maps, train, heldout, cfg, progress=False)

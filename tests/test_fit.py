@@ -12,10 +12,12 @@ from loca.config import LocaConfig
 from loca.core.ridge import FeedbackFactors, solve_block
 from loca.data.batching import Encoded, make_batches
 from loca.method.adapters import ResidualAdapters, adapter_a
-from loca.method.calibrate import FeedbackMaps, calibrate
-from loca.method.fit import block_groups, collect_statistics, fit, solve_blocks
+from loca.method.calibrate import calibrate
+from loca.method.fit import fit
+from loca.method.maps import FeedbackMaps
+from loca.method.stage2 import block_groups, collect_statistics, solve_blocks
 
-fit_mod = importlib.import_module("loca.method.fit")  # the module, not the re-exported function
+stage2_mod = importlib.import_module("loca.method.stage2")
 
 
 def short_prompt_items(n, seed=0):
@@ -147,7 +149,7 @@ def test_frozen_model_is_returned_when_nothing_beats_it():
 def test_non_finite_statistics_stop_safely_and_keep_the_best(monkeypatch, control):
     _, parts, maps, train, heldout = tiny_setup()
     calls = {"n": 0}
-    real = fit_mod.head_loss_and_error
+    real = stage2_mod.head_loss_and_error
 
     def poisoned(*args, **kwargs):
         calls["n"] += 1
@@ -156,7 +158,7 @@ def test_non_finite_statistics_stop_safely_and_keep_the_best(monkeypatch, contro
             e = e * float("nan")
         return loss, e
 
-    monkeypatch.setattr(fit_mod, "head_loss_and_error", poisoned)
+    monkeypatch.setattr(stage2_mod, "head_loss_and_error", poisoned)
     cfg = LocaConfig(rank=8, etas=[0.01], max_iters=5, step_control=control)
     res = fit(parts, maps, train, heldout, cfg, progress=False)
     assert res.best_iteration == 1 and res.improved

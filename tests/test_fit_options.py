@@ -12,11 +12,14 @@ from loca.config import LocaConfig
 from loca.core.ridge import FeedbackFactors, nystrom_top_eigenvectors
 from loca.data.batching import make_batches
 from loca.eval.evaluation import completion_ce
-from loca.method.adapters import ResidualAdapters, principal_a
-from loca.method.calibrate import Calibrator, FeedbackMaps
+from loca.method.a_init import principal_a
+from loca.method.adapters import ResidualAdapters
+from loca.method.calibrate import Calibrator
 from loca.method.fit import fit
+from loca.method.maps import FeedbackMaps
+from loca.method.run import calibrate_maps
 
-fit_mod = importlib.import_module("loca.method.fit")
+stage2_mod = importlib.import_module("loca.method.stage2")
 
 
 def setup(seed=0, **cfg_kw):
@@ -24,25 +27,26 @@ def setup(seed=0, **cfg_kw):
     train_items, heldout_items = sequences(48, seed=seed), sequences(24, seed=seed + 100)
     cfg = LocaConfig(rank=8, feedback_rank=8, probe_positions=100, **cfg_kw)
     cal = Calibrator(parts, train_items, heldout_items, cfg, pad_id=0)
+    train, heldout = make_batches(train_items, 0, 16), make_batches(heldout_items, 0, 16)
     return (
         parts,
         cal,
-        cal.calibrate(),
-        make_batches(train_items, 0, 16),
-        make_batches(heldout_items, 0, 16),
+        calibrate_maps(cal, train, heldout, cfg),
+        train,
+        heldout,
         cfg,
     )
 
 
 def count_passes(monkeypatch) -> dict:
     calls = {"n": 0}
-    real = fit_mod.collect_statistics
+    real = stage2_mod.collect_statistics
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fit_mod, "collect_statistics", counted)
+    monkeypatch.setattr(stage2_mod, "collect_statistics", counted)
     return calls
 
 
@@ -199,12 +203,12 @@ def test_pooling_a_probe_with_itself_gives_the_same_maps():
 
 def test_calibration_rounds_pool_probes_at_two_adapter_states():
     parts, cal, one_round, train, heldout, cfg = setup(calibration_rounds=2, calibration_round_iters=3)
-    maps = cal.calibrate()
+    maps = calibrate_maps(cal, train, heldout, cfg)
     assert maps.meta["probes_pooled"] == 2 and maps.meta["calibration_rounds"] == 2
     assert getattr(parts.model, "_loca_adapters", None) is None  # the short fit's adapters are gone
     single = Calibrator(
         parts, cal.train, cal.heldout, LocaConfig(**{**cfg.to_dict(), "calibration_rounds": 1}), 0
     )
-    assert not torch.allclose(maps.factors[-1].us, single.calibrate().factors[-1].us)
+    assert not torch.allclose(maps.factors[-1].us, single.refit().factors[-1].us)
     res = fit(parts, maps, train, heldout, cfg, progress=False)
     assert res.heldout_ce < res.frozen_heldout_ce

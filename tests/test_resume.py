@@ -8,8 +8,8 @@ from synthetic import sequences, tiny_llama
 from loca.config import LocaConfig
 from loca.data.batching import make_batches
 from loca.method.calibrate import Calibrator
-from loca.method.checkpoint import load_fit_state, save_fit_state
 from loca.method.fit import fit
+from loca.method.state import load_fit_state, save_fit_state
 
 TIMING = {"time_s", "elapsed_s"}
 
@@ -24,7 +24,7 @@ def setup(**cfg_kw):
     cfg = LocaConfig(rank=8, feedback_rank=8, probe_positions=100, **cfg_kw)
     cal = Calibrator(parts, train_items, heldout_items, cfg, pad_id=0)
     train, heldout = make_batches(train_items, 0, 16), make_batches(heldout_items, 0, 16)
-    return parts, cal, cal.calibrate(), train, heldout, cfg
+    return parts, cal, cal.refit(), train, heldout, cfg
 
 
 def strip(history):

@@ -7,8 +7,9 @@ import pytest
 from loca.config import LocaConfig
 from loca.data import encode_examples, get_task, load_splits
 from loca.data.batching import make_batches, pad_token_id
-from loca.method.calibrate import calibrate, select_probe
+from loca.method.calibrate import calibrate
 from loca.method.fit import fit
+from loca.method.probe import select_probe
 from loca.models.parts import find_parts
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -15,9 +15,13 @@ The building blocks: :class:`Calibrator` (Stage I), :func:`fit` (Stage II), :mod
 from .config import DataConfig, LocaConfig, ModelConfig
 from .core.head import LogitTransform, head_loss_and_error
 from .core.ridge import NonFiniteStatisticsError
-from .method.adapters import CheckpointMismatchError, ResidualAdapters, from_pretrained
-from .method.calibrate import Calibrator, FeedbackMaps, calibrate, select_probe
-from .method.fit import FitResult, FitState, fit
+from .method.adapters import ResidualAdapters, from_pretrained
+from .method.artefacts import CheckpointMismatchError
+from .method.calibrate import Calibrator, calibrate
+from .method.fit import FitResult, fit
+from .method.maps import FeedbackMaps
+from .method.probe import select_probe
+from .method.state import FitState
 from .models.parts import ModelParts, UnsupportedModelError, find_parts, fingerprint, load_model
 from .pipeline import Pipeline
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,19 +30,18 @@ from .data.batching import make_batches, pad_token_id, padding_fraction
 from .data.encoding import count_truncated
 from .eval.evaluation import evaluate
 from .infra import distributed
-from .infra.io import atomic_write_json, atomic_write_text, is_artefact
-from .infra.runs import prepare_run_dir, require_finite, run_command
+from .infra.runs import require_finite
 from .infra.versions import versions
-from .method.adapters import CONFIG_NAMES, ResidualAdapters
-from .method.calibrate import MAPS_CONFIG, Calibrator, FeedbackMaps
-from .method.checkpoint import STATE_CONFIG, load_fit_state, save_fit_state
-from .method.fit import FitResult, fit
+from .method.adapters import ResidualAdapters
+from .method.calibrate import Calibrator
+from .method.fit import FitResult
+from .method.maps import FeedbackMaps
+from .method.run import LocaRun, RunWriter, calibrate_maps, run_loca
+from .method.state import FitState
 from .models.parts import ModelParts, clamp_max_length, find_parts, fingerprint, load_model
+from .run_folder import RunFolder
 
 log = logging.getLogger("loca")
-
-# what `loca fit` writes into its folder
-RUN_FILES = ("config.json", "history.jsonl", "results.json", "adapter", "maps", "checkpoint")
 
 
 class Pipeline:
@@ -207,11 +204,10 @@ class Pipeline:
 
     def calibrate(self) -> FeedbackMaps:
         """Stage I: the feedback maps, recording the task and splits they were calibrated on."""
-        t0 = time.perf_counter()
-        maps = self.calibrator.calibrate()
-        maps.meta.update({"task": self.task.name, "splits": self.splits.record,
-                          "calibration_time_s": time.perf_counter() - t0})  # fmt: skip
-        return maps
+        return calibrate_maps(self.calibrator, *self.batched(), self.cfg, self._maps_meta())
+
+    def _maps_meta(self) -> dict:
+        return {"task": self.task.name, "splits": self.splits.record}
 
     def load_maps(self, directory: str | Path) -> FeedbackMaps:
         """Maps saved by ``loca calibrate`` (or a fit), checked against this run: the same
@@ -225,16 +221,12 @@ class Pipeline:
         return maps
 
     # -- Stage II -----------------------------------------------------------------------------
-    def fit(self, maps: FeedbackMaps, **callbacks) -> FitResult:
-        """Stage II on the run's batches (see :func:`loca.method.fit.fit` for ``callbacks``: on_iteration,
-        on_improve, on_checkpoint, resume). A forward-only fit (no re-calibration, no alignment
-        diagnostic) runs with autograd disabled."""
-        train, heldout = self.batched()
-        forward_only = not (self.cfg.recalibrate_every or self.cfg.alignment_every)
-        with torch.no_grad() if forward_only else nullcontext():
-            return fit(self.parts, maps, train, heldout, self.cfg,
-                       calibrator=None if forward_only else self.calibrator, progress=self.progress,
-                       **callbacks)  # fmt: skip
+    def fit(self, maps: FeedbackMaps | None = None, *, resume: FitState | None = None,
+            writer: RunWriter | None = None) -> LocaRun:  # fmt: skip
+        """The LoCA run (:func:`loca.method.run.run_loca`) on the run's data: calibrate unless
+        ``maps`` are given, then fit forward-only; ``writer`` receives its progress."""
+        return run_loca(self.parts, self.calibrator, *self.batched(), self.cfg, maps=maps, meta=self._maps_meta(),
+                        resume=resume, writer=writer, progress=self.progress)  # fmt: skip
 
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, examples=None, adapters: ResidualAdapters | None = None) -> dict:
@@ -272,71 +264,37 @@ class Pipeline:
         in ``out`` (built by :meth:`from_run`) from its last completed iteration."""
         start = time.perf_counter()
         out = Path(out) if out is not None else None
-        write = out is not None and distributed.is_main()  # data-parallel: rank 0 writes
+        main = out is not None and distributed.is_main()  # data-parallel: rank 0 writes
         if resume:
-            maps = self._prepare_resume(out)
-        elif write:
-            rerun = run_command(out) == "fit"
-            prepare_run_dir(out, "fit", model=self.model_config.model, overwrite=overwrite, writes=RUN_FILES)
-            if rerun:
-                clear_fit_run(out)
+            maps = RunFolder.unfinished(out)
+        elif main:
+            RunFolder.prepare(out, self.model_config.model, overwrite)
         distributed.barrier()
-        parts = self.parts
+        if maps is None and resume:
+            maps = RunFolder.saved_maps(out)  # calibrated before the interruption
         maps_obj = self.load_maps(maps) if maps else None
-        if resume and maps_obj is None and is_artefact(out / "maps", MAPS_CONFIG, None):
-            maps_obj = self.load_maps(out / "maps")  # calibrated before the interruption
-        if write and not resume:
-            atomic_write_json(out / "config.json", self.record(str(maps) if maps else None))
-        if maps_obj is None:
-            maps_obj = self.calibrate()
-            if write:
-                maps_obj.save_pretrained(out / "maps")
-        align = maps_obj.meta.get("alignment", {})
-        if align:
-            log.info(f"calibration: alignment probe {_range(align['probe'])}, held-out "
-                     f"{_range(align.get('heldout', []))}, random map {_range(align['random'])}")  # fmt: skip
-
-        state = load_fit_state(out / "checkpoint", parts) if resume and _has_state(out) else None
-        history_lines = [json.dumps(r) for r in state.history] if state else []
+        state = RunFolder.saved_state(out, self.parts) if resume else None
         if state:
             log.info(f"resuming after iteration {state.iteration} of {self.cfg.max_iters}")
-
-        def on_iteration(row: dict) -> None:
-            history_lines.append(json.dumps(row))
-            if write:
-                atomic_write_text(out / "history.jsonl", "\n".join(history_lines) + "\n")
-
-        extra = {"task": self.task.name, "feedback_rank": maps_obj.rank, "loca": self.cfg.to_dict()}
-
-        def on_improve(adapters: ResidualAdapters, row: dict) -> None:
-            if write:
-                adapters.save_pretrained(out / "adapter", extra={**extra, "selection": row})
-
-        def on_checkpoint(fit_state) -> None:
-            if write:
-                save_fit_state(fit_state, out / "checkpoint")
-
-        if state and write:
-            atomic_write_text(out / "history.jsonl", "\n".join(history_lines) + "\n")
-        result = self.fit(maps_obj, on_iteration=on_iteration, on_improve=on_improve,
-                          on_checkpoint=on_checkpoint, resume=state)  # fmt: skip
+        extra = {"task": self.task.name, "feedback_rank": None, "loca": self.cfg.to_dict()}
+        writer = RunFolder(out, extra, state.history if state else []) if main else None
+        if main and not resume:
+            writer.config(self.record(str(maps) if maps else None))
+        if main and state:
+            writer.history()
+        run = self.fit(maps_obj, resume=state, writer=writer)
+        result = run.result
         if self.cfg.max_iters == 0:
             log.info("LoCA: --max-iters 0 runs no Stage II iteration; returning the frozen model (B = 0)")
         elif not result.improved:
             log.info("LoCA: no candidate beat the frozen model on held-out CE; returning the frozen "
                      "model (B = 0)")  # fmt: skip
-
         try:  # the adapters come off again whatever happens
-            results = self._results(result, align, start)
-            if write:
-                metrics = {k: results[k] for k in ("frozen", "loca")}
-                result.adapters.save_pretrained(out / "adapter", extra={
-                    **extra, "selection": _selected_row(result), "metrics": metrics})  # fmt: skip
-                atomic_write_json(out / "results.json", results)
-                shutil.rmtree(out / "checkpoint", ignore_errors=True)
+            results = self._results(result, run.maps.meta.get("alignment", {}), start)
+            if main:
+                writer.finish(result.adapters, _selected_row(result), results)
         finally:
             result.adapters.detach()
-        self.result = result
         return results
 
     def _results(self, result: FitResult, align: dict, start: float) -> dict:
@@ -369,17 +327,6 @@ class Pipeline:
             require_finite(results[name], f"the {name} model's evaluation")
         return results
 
-    def _prepare_resume(self, out: Path | None) -> str | None:
-        """Check that ``out`` holds an unfinished fit; the maps it was given, if any."""
-        if out is None:
-            raise ValueError("resume needs the run folder (--out)")
-        if run_command(out) != "fit" or not (out / "config.json").is_file():
-            raise ValueError(f"--resume: {out} holds no `loca fit` run to continue")
-        if (out / "results.json").is_file():
-            raise ValueError(f"--resume: the run in {out} has finished (results.json is there); "
-                             "nothing to resume")  # fmt: skip
-        return json.loads((out / "config.json").read_text()).get("maps")
-
 
 def check_maps_data(maps: FeedbackMaps, task: str, splits: Splits, where: str) -> None:
     """Refuse maps calibrated on another task, or on examples that are this run's held-out or
@@ -404,18 +351,6 @@ def check_maps_data(maps: FeedbackMaps, task: str, splits: Splits, where: str) -
             )
 
 
-def clear_fit_run(out: Path) -> None:
-    """Remove an earlier fit's results from ``out`` (after overwrite), so that a failed rerun
-    never leaves a config describing another run than the results beside it."""
-    for name in ("results.json", "history.jsonl", "config.json"):
-        (out / name).unlink(missing_ok=True)
-    for sub, cfg_file, fmt in (("adapter", CONFIG_NAMES, "loca-adapter"),
-                               ("maps", MAPS_CONFIG, "loca-feedback-maps"),
-                               ("checkpoint", STATE_CONFIG, "loca-fit-state")):  # fmt: skip
-        if is_artefact(out / sub, cfg_file, fmt):
-            shutil.rmtree(out / sub)
-
-
 def _selected_row(result: FitResult) -> dict | None:
     """The history row of the selected candidate (None when the frozen model won)."""
     if not result.improved:
@@ -423,10 +358,6 @@ def _selected_row(result: FitResult) -> dict | None:
     rows = [r for r in result.history if r.get("iteration") == result.best_iteration
             and r.get("heldout_ce") == result.heldout_ce and "diagnostic" not in r]  # fmt: skip
     return rows[-1] if rows else None
-
-
-def _has_state(out: Path) -> bool:
-    return is_artefact(out / "checkpoint", STATE_CONFIG, "loca-fit-state")
 
 
 def _row(heldout_ce: float, test: dict) -> dict:
@@ -438,8 +369,3 @@ def _row(heldout_ce: float, test: dict) -> dict:
         "test_acc_norm": test["acc_norm"],
         "n_test": test["n_test"],
     }
-
-
-def _range(xs: list[float]) -> str:
-    return f"{min(xs):+.2f}..{max(xs):+.2f}" if xs else "n/a"
-

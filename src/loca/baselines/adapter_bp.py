@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 from ..config import Settings, option
 from ..data.batching import Batch
-from ..method.adapters import ResidualAdapters, principal_a
+from ..method.a_init import principal_a
+from ..method.adapters import ResidualAdapters
 from ..models.parts import ModelParts
 from .common import HeldoutSelector, RestorableRun, completion_loss, epoch_order
 

@@ -25,8 +25,9 @@ import torch
 
 from ..method.adapters import ResidualAdapters
 from ..method.calibrate import Calibrator
-from ..method.fit import block_groups, fit, stage2_pass
 from ..method.graphs import BatchGraphs, batch_graphs
+from ..method.run import calibrate_maps, run_loca
+from ..method.stage2 import block_groups, stage2_pass
 
 PHASES = ("forward", "backbone", "calibrate", "stage2", "stage2-eager", "full-run", "lora", "adapter-mezo",
           "mezo")
@@ -43,7 +44,7 @@ def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[st
     batches = [b.to(parts.device) for b in train]
 
     def calibrate():  # Stage I on the training items (no held-out alignment diagnostic)
-        return Calibrator(parts, train_items, [], cfg, pipeline.pad_id).calibrate()
+        return calibrate_maps(Calibrator(parts, train_items, [], cfg, pipeline.pad_id), batches, heldout, cfg)
 
     phases: dict[str, Callable[[], object]] = {}
 
@@ -78,9 +79,8 @@ def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[st
 
     def full_run():
         short = replace(cfg, max_iters=full_run_iters)
-        maps = Calibrator(parts, train_items, [], short, pipeline.pad_id).calibrate()
-        with torch.no_grad():
-            fit(parts, maps, batches, heldout, short, progress=False).adapters.detach()
+        calibrator = Calibrator(parts, train_items, [], short, pipeline.pad_id)
+        run_loca(parts, calibrator, batches, heldout, short, progress=False).result.adapters.detach()
 
     def lora():
         from ..baselines.lora import LoraSettings, fit_lora

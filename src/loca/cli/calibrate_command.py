@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..infra.io import ensure_replaceable
 from ..infra.runs import refuse_model_folder
-from ..method.calibrate import MAPS_CONFIG
+from ..method.artefacts import MAPS_CONFIG
 from .args import (
     add_config_args,
     add_data_args,

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from ..baselines.common import HeldoutSelector, MethodResult
 from ..config import LocaConfig
 from ..data import Batch, Encoded, Splits, Task
+from ..method import run as method_run
 from ..method.calibrate import Calibrator
-from ..method.fit import fit
 from ..models.parts import ModelParts
 
 METHODS = (
@@ -59,9 +59,9 @@ def run_loca(cell: CellData, cfg: LocaConfig, method: str = "loca") -> Outcome:
     Times count from the start of calibration, so LoCA's wall time includes Stage I."""
     start = time.perf_counter()
     calibrator = Calibrator(cell.parts, cell.train_items, cell.heldout_items, cfg, cell.pad_id)
-    maps = calibrator.calibrate()
-    calib_s = time.perf_counter() - start
-    res = fit(cell.parts, maps, cell.train, cell.heldout, cfg, calibrator=calibrator, progress=False)
+    run = method_run.run_loca(cell.parts, calibrator, cell.train, cell.heldout, cfg, progress=False)
+    maps, res = run.maps, run.result
+    calib_s = time.perf_counter() - start - (run.wall_time_s - run.calibration_s)
     rows = [r for r in res.history if "diagnostic" not in r and r["heldout_ce"] is not None]
     history = [
         {
@@ -115,7 +115,8 @@ def run_adapter_bp(cell: CellData, settings, method: str = "adapter-bp") -> Outc
     """LoCA's adapters (its A for this seed; a principal A from LoCA's own batches) with B trained
     by backpropagation on the minibatches."""
     from ..baselines.adapter_bp import fit_adapter_bp
-    from ..method.adapters import ResidualAdapters, principal_a
+    from ..method.a_init import principal_a
+    from ..method.adapters import ResidualAdapters
 
     a = None
     if settings.a_init == "principal":

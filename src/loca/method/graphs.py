@@ -28,12 +28,39 @@ from ..models.parts import ModelParts
 from .adapters import ResidualAdapters
 
 
+class StaticWeights:
+    """Fixed buffers of every block's Aᵀ and Bᵀ in the hidden dtype, which the hooks read while
+    :meth:`loca.method.adapters.ResidualAdapters.weights_from` is active: a captured graph replays
+    the addresses it saw, so B must change in place there."""
+
+    def __init__(self, adapters: ResidualAdapters):
+        self.adapters = adapters
+        self.buffers: list[tuple[Tensor, Tensor]] = []  # per block: Aᵀ, Bᵀ
+        self.seen: list[tuple[Tensor, int]] = []  # per block: the B (and its version) copied in last
+
+    def refresh(self, dtype: torch.dtype) -> None:
+        """Copy the adapters' current B in (the buffers are made on the first call). Blocks whose
+        B is unchanged since the last call (same tensor, same version) are not copied."""
+        a_s, b_s = self.adapters.A, self.adapters.B
+        if not self.buffers or self.buffers[0][0].dtype != dtype:
+            self.buffers = [(a.T.to(dtype).contiguous(), b.T.to(dtype).contiguous()) for a, b in zip(a_s, b_s, strict=True)]
+        else:
+            for (_, bt), b, seen in zip(self.buffers, b_s, self.seen, strict=True):
+                if seen[0] is not b or seen[1] != b._version:  # B replaced or edited since
+                    bt.copy_(b.T)
+        self.seen = [(b, b._version) for b in b_s]
+
+    def __call__(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.buffers[layer]
+
+
 class BatchGraphs:
     """Captured per-batch passes over one fixed list of batches (on one CUDA device)."""
 
     def __init__(self, parts: ModelParts, adapters: ResidualAdapters, batches: Sequence[Batch], pool=None):
         """``pool``: another :class:`BatchGraphs`' ``pool`` to share (their replays never overlap)."""
         self.parts, self.adapters = parts, adapters
+        self.weights = StaticWeights(adapters)
         self.batches = [_prepared(b, parts).to(parts.device) for b in batches]  # the graphs' fixed inputs
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(parts.device)  # capture needs a side stream
@@ -63,7 +90,7 @@ class BatchGraphs:
         """``fn(batch)`` for batch ``index`` through its graph (one per ``(index, key)``):
         captured on the first call, replayed after, with the adapters' current B. The returned
         tensors are the graph's own: they hold this replay's values until it runs again."""
-        self.adapters.refresh_static(self.parts.hidden_dtype)  # no-op unless B changed
+        self.weights.refresh(self.parts.hidden_dtype)  # no-op unless B changed
         if (index, key) not in self._graphs:
             self._capture(index, fn, key)
         graph, out = self._graphs[(index, key)]
@@ -74,7 +101,7 @@ class BatchGraphs:
         t0 = time.perf_counter()
         batch, device = self.batches[index], self.parts.device
         self.stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self.stream), self.adapters.static_weights():
+        with torch.cuda.stream(self.stream), self.adapters.weights_from(self.weights):
             if not self._warm:  # lazy initialisations (cuBLAS handles, workspaces) precede capture
                 fn(batch)
                 self._warm = True

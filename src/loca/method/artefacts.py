@@ -1,0 +1,192 @@
+"""LoCA's artefacts on disk, one folder format each, written atomically and read with errors that
+name the file: the adapter (``loca_adapter.safetensors``, ``loca_adapter.json``, a model card),
+the feedback maps (``feedback_maps.safetensors``, ``feedback_config.json``) and a fit's resumable
+state (``fit_state.safetensors``, ``fit_state.json``), plus the checkpoint-fingerprint check they
+share. Tensors and configs go in and come out as dicts: the classes they belong to
+(:class:`loca.method.adapters.ResidualAdapters`, :class:`loca.method.maps.FeedbackMaps`,
+:class:`loca.method.state.FitState`) convert, so this module imports none of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from ..infra.io import atomic_dir, atomic_write_json
+
+# loca's own file names: PEFT's (adapter_model.safetensors, adapter_config.json) would make PEFT
+# and transformers mistake the folder for a PEFT adapter they cannot read. Folders written with
+# those names by earlier versions still load.
+ADAPTER_WEIGHTS = "loca_adapter.safetensors"
+ADAPTER_CONFIG = "loca_adapter.json"
+LEGACY_NAMES = ("adapter_model.safetensors", "adapter_config.json")
+CONFIG_NAMES = (ADAPTER_CONFIG, LEGACY_NAMES[1])
+MAPS_WEIGHTS = "feedback_maps.safetensors"
+MAPS_CONFIG = "feedback_config.json"
+MAPS_FORMAT = "loca-feedback-maps"
+FIT_STATE_WEIGHTS = "fit_state.safetensors"
+FIT_STATE_CONFIG = "fit_state.json"
+FIT_STATE_FORMAT = "loca-fit-state"
+
+
+def write_adapter(directory: str | Path, tensors: dict[str, Tensor], config: dict) -> Path:
+    """The adapter folder: weights, config (``format`` added) and a model-card ``README.md``."""
+    config = {"format": "loca-adapter", "version": 1, **config}
+    with atomic_dir(directory, CONFIG_NAMES, "loca-adapter") as tmp:
+        save_file(tensors, tmp / ADAPTER_WEIGHTS)
+        atomic_write_json(tmp / ADAPTER_CONFIG, config)
+        (tmp / "README.md").write_text(_model_card(config))
+    return Path(directory)
+
+
+def read_adapter(directory: str | Path, current: dict, hidden_size: int) -> tuple[dict[str, Tensor], dict, Path]:
+    """``(tensors, config, weights file)`` of an adapter folder made for the checkpoint whose
+    fingerprint is ``current`` (folders with the legacy PEFT-like names load too)."""
+    directory = Path(directory)
+    weights_name, cfg_name = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+    if not (directory / cfg_name).is_file() and (directory / LEGACY_NAMES[1]).is_file():
+        weights_name, cfg_name = LEGACY_NAMES
+    cfg_path = directory / cfg_name
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{directory / ADAPTER_CONFIG} not found: not a LoCA adapter folder")
+    cfg = read_json_object(cfg_path)
+    if cfg.get("format") != "loca-adapter":
+        raise ValueError(f"{cfg_path}: not a LoCA adapter config (format {cfg.get('format')!r})")
+    check_fingerprint(cfg.get("fingerprint"), current, str(directory))
+    rank, seed = cfg.get("rank"), cfg.get("seed")
+    if not isinstance(rank, int) or not 1 <= rank <= hidden_size or not isinstance(seed, int):
+        raise ValueError(
+            f"{cfg_path}: 'rank' must be an integer in 1..{hidden_size} and 'seed' an "
+            f"integer (got rank={rank!r}, seed={seed!r})"
+        )
+    return read_safetensors(directory / weights_name), cfg, directory / weights_name
+
+
+def write_maps(directory: str | Path, tensors: dict[str, Tensor], config: dict) -> Path:
+    """The feedback-map folder: factors and config (``format`` added)."""
+    with atomic_dir(directory, MAPS_CONFIG, MAPS_FORMAT) as tmp:
+        save_file(tensors, tmp / MAPS_WEIGHTS)
+        atomic_write_json(tmp / MAPS_CONFIG, {"format": MAPS_FORMAT, "version": 1, **config})
+    return Path(directory)
+
+
+def read_maps(directory: str | Path, current: dict | None) -> tuple[dict[str, Tensor], dict]:
+    """``(tensors, config)`` of a feedback-map folder; with ``current``, refused for another
+    checkpoint than the one with that fingerprint."""
+    directory = Path(directory)
+    cfg_path = directory / MAPS_CONFIG
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: not a LoCA feedback-map folder")
+    cfg = read_json_object(cfg_path)
+    if cfg.get("format") != MAPS_FORMAT or not isinstance(cfg.get("fingerprint"), dict):
+        raise ValueError(f"{cfg_path}: not a LoCA feedback-map config")
+    if current is not None:
+        check_fingerprint(cfg.get("fingerprint"), current, f"feedback maps {directory}")
+    return read_safetensors(directory / MAPS_WEIGHTS), cfg
+
+
+def write_fit_state(
+    directory: str | Path, tensors: dict[str, Tensor], meta: dict, write_maps: Callable[[Path], object] | None
+) -> None:
+    """A fit-state folder: tensors, ``meta`` (``format`` added) and, if given, the re-calibrated
+    maps written by ``write_maps`` into ``maps/``; replaced in one rename."""
+    with atomic_dir(directory, FIT_STATE_CONFIG, FIT_STATE_FORMAT) as tmp:
+        save_file(tensors, tmp / FIT_STATE_WEIGHTS)
+        if write_maps is not None:
+            write_maps(tmp / "maps")
+        atomic_write_json(tmp / FIT_STATE_CONFIG, {"format": FIT_STATE_FORMAT, "version": 1, **meta})
+
+
+def read_fit_state(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """``(meta, tensors)`` of a fit-state folder (its re-calibrated maps, if any, checked present)."""
+    directory = Path(directory)
+    meta = read_json_object(directory / FIT_STATE_CONFIG)
+    if meta.get("format") != FIT_STATE_FORMAT:
+        raise ValueError(f"{directory / FIT_STATE_CONFIG}: not a LoCA fit state")
+    tensors = read_safetensors(directory / FIT_STATE_WEIGHTS)
+    if meta["maps"] and not (directory / "maps" / MAPS_CONFIG).is_file():
+        raise ValueError(f"{directory}: the re-calibrated maps are missing")
+    return meta, tensors
+
+
+def _model_card(config: dict) -> str:
+    """A short README for an adapter folder: what it is and how to load it."""
+    sel = config.get("selection") or {}
+    lines = [
+        "# LoCA adapter",
+        "",
+        "Residual low-rank adapters `h_l = hbar_l + B_l A_l h_{l-1}` for every transformer block,",
+        "fitted forward-only by [loca](https://pypi.org/project/loca/) (Local Credit Assignment).",
+        "",
+        f"- base model: `{config.get('base_model')}` (weights fingerprint "
+        f"`{config['fingerprint']['weights_sha256'][:16]}…`, {config['num_blocks']} blocks, "
+        f"d = {config['hidden_size']})",
+        f"- rank r = {config['rank']}, feedback rank k = {config.get('feedback_rank', 'n/a')}, "
+        f"seed {config['seed']}",
+        f"- task: {config.get('task', 'n/a')}; selection: held-out CE {sel.get('heldout_ce', 'n/a')} "
+        f"at iteration {sel.get('iteration', 'n/a')} (η {sel.get('eta', 'n/a')})",
+        *_metrics_lines(config.get("metrics")),
+        "",
+        "```python",
+        "import loca",
+        "from transformers import AutoModelForCausalLM",
+        "model = AutoModelForCausalLM.from_pretrained(\"<the base model>\")",
+        "adapters = loca.from_pretrained(model, \"<this folder>\")  # attached; .unload() removes them",
+        "```",
+        "",
+        "Not a PEFT adapter: PEFT and transformers cannot load it; loca checks the base model's",
+        "fingerprint and refuses another checkpoint.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _metrics_lines(metrics: dict | None) -> list[str]:
+    if not metrics:
+        return []
+    f, m = metrics["frozen"], metrics["loca"]
+    return [f"- test ({m['n_test']} examples): CE {f['test_ce']:.4f} → {m['test_ce']:.4f}, "
+            f"acc {f['test_acc']:.3f} → {m['test_acc']:.3f} (frozen → LoCA)"]  # fmt: skip
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from ``path``, or a ValueError naming the file."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return obj
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    """The tensors of a safetensors file, or a ValueError naming the file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        return load_file(path)
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+class CheckpointMismatchError(ValueError):
+    """An artefact was fitted on a different checkpoint than the model it is used with."""
+
+
+def check_fingerprint(saved: dict | None, current: dict, what: str) -> None:
+    if isinstance(saved, dict) and saved.get("fingerprint_version") != current.get("fingerprint_version"):
+        raise CheckpointMismatchError(
+            f"{what} was saved by an older loca whose checkpoint fingerprint cannot be checked "
+            "against this one; calibrate/fit again"
+        )
+    if saved != current:
+        diff = [k for k in current if (saved or {}).get(k) != current[k]]
+        raise CheckpointMismatchError(
+            f"{what} was made for another checkpoint (differs in: {', '.join(diff) or 'all'}); "
+            "calibrate/fit again for this model"
+        )
