@@ -155,3 +155,15 @@ def test_generate_with_and_without_adapters(setup, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("[loca] ") and lines[1] == frozen.strip()
     assert main(["generate", *model, "--prompt", "x", "--max-new-tokens", "0"]) == 2
+
+
+def test_allowed_values_are_checked_from_flags_and_config_files_alike(tmp_path, capsys):
+    """A value outside an option's choices is refused, with the same allowed values, whether it
+    comes from a flag (argparse) or from --config (the dataclass); nothing is loaded."""
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--step-control", "sgd"])
+    assert exited.value.code == 2 and "choose from 'fixed', 'adaptive'" in capsys.readouterr().err
+    (tmp_path / "c.json").write_text(json.dumps({"loca": {"step_control": "sgd"}}))
+    assert main(["fit", "--config", str(tmp_path / "c.json"), "--out", str(tmp_path / "o")]) == 2
+    assert "step_control='sgd' (choose from fixed, adaptive)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

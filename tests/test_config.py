@@ -1,12 +1,15 @@
-"""LocaConfig: validation, round trip through the JSON a run records, and the CLI flags."""
+"""The configuration sections: validation, round trip through the JSON a run records, the CLI
+flags; frozen once built, one definition of each set of allowed values, one precedence."""
 
 import argparse
 import json
+from dataclasses import FrozenInstanceError, dataclass, fields, replace
 
 import pytest
 
-from loca.cli.args import add_config_args, config_from_args
-from loca.config import LocaConfig
+from loca.baselines import AdapterBpSettings, LoraSettings, MezoSettings
+from loca.cli.args import add_config_args, add_dataclass_args, config_from_args, dataclass_from_args
+from loca.config import DataConfig, LocaConfig, ModelConfig, Settings, choices, option
 
 
 def test_round_trip_through_json():
@@ -96,3 +99,177 @@ def test_a_yaml_config_holds_every_section(tmp_path):
     (tmp_path / "bad.yaml").write_text("data:\n  n_epochs: 3\n")
     with pytest.raises(ValueError, match="unknown data setting"):
         sections_from_args(p.parse_args(["--config", str(tmp_path / "bad.yaml")]))
+
+
+# -- frozen sections, one definition of the allowed values, one precedence ----------------------
+
+SETTINGS_CLASSES = [LocaConfig, ModelConfig, DataConfig, LoraSettings, MezoSettings, AdapterBpSettings]
+CHANGES = {  # a field, a valid new value and an invalid one
+    LocaConfig: ("rank", 5, 0), ModelConfig: ("dtype", "bfloat16", "int8"), DataConfig: ("n_train", 5, -1),
+    LoraSettings: ("rank", 5, 0), MezoSettings: ("max_steps", 5, 0), AdapterBpSettings: ("epochs", 5, 0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", SETTINGS_CLASSES, ids=lambda c: c.__name__)
+def test_resolved_configuration_is_frozen(cls):
+    """No field of a built configuration can be assigned; dataclasses.replace is the way to change
+    one, and it validates again."""
+    obj = cls()
+    for f in fields(cls):
+        with pytest.raises(FrozenInstanceError):
+            setattr(obj, f.name, getattr(obj, f.name))
+    name, good, bad = CHANGES[cls]
+    assert getattr(replace(obj, **{name: good}), name) == good and obj == cls()
+    with pytest.raises(ValueError, match=f"invalid {cls.__name__} values: {name}="):
+        replace(obj, **{name: bad})
+
+
+def test_list_fields_stay_json_lists_of_floats():
+    cfg = LocaConfig(etas=(1, 2), lam_rel=[1])
+    assert cfg.etas == [1.0, 2.0] and all(type(x) is float for x in cfg.etas + cfg.lam_rel)
+    assert json.dumps(cfg.to_dict()["etas"]) == "[1.0, 2.0]"
+    assert LoraSettings(target_modules=("q_proj",)).to_dict()["target_modules"] == ["q_proj"]
+    assert MezoSettings().lrs is None and MezoSettings(lrs=[1]).lrs == [1.0]
+
+
+def _choice_fields():
+    return [pytest.param(cls, f, id=f"{cls.__name__}.{f.name}")
+            for cls in SETTINGS_CLASSES for f in fields(cls) if f.metadata.get("choices")]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls, f", _choice_fields())
+def test_allowed_values_come_from_one_place(cls, f):
+    """A field's ``choices`` is the validation, the flag's choices and the values its help lists."""
+    allowed = choices(cls, f.name)
+    assert allowed and allowed == f.metadata["choices"]
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, cls, title="x")
+    action = next(a for a in p._actions if a.dest == f.name)
+    assert tuple(action.choices) == allowed
+    assert all(value in action.help for value in allowed)
+    for value in allowed:
+        assert getattr(cls(**{f.name: value}), f.name) == value
+        assert getattr(p.parse_args([action.option_strings[0], value]), f.name) == value
+    with pytest.raises(ValueError, match=f"{f.name}='nope' \\(choose from {', '.join(allowed)}\\)"):
+        cls(**{f.name: "nope"})
+    with pytest.raises(SystemExit):
+        p.parse_args([action.option_strings[0], "nope"])
+
+
+def test_allowed_values_agree_with_the_code_that_uses_them():
+    """The modules that act on a value know exactly the values the configuration allows."""
+    from loca.method.calibrate import GATES
+    from loca.models.parts import DTYPES as TORCH_DTYPES
+
+    assert tuple(GATES) == choices(LocaConfig, "feedback_gate")
+    assert tuple(TORCH_DTYPES) == choices(ModelConfig, "dtype")
+    assert choices(AdapterBpSettings, "a_init") == choices(LocaConfig, "a_init")
+    assert ModelConfig(device_map=None).device_map is None  # an optional choice may stay unset
+
+
+def test_flag_types_come_from_the_annotations():
+    @dataclass(frozen=True)
+    class Example(Settings):
+        flag: bool = option(False, "a switch")
+        count: int | None = option(None, "a count")
+        scale: float = option(1.0, "a scale")
+        names: list[str] = option(["a"], "names")
+        values: list[float] | None = option(None, "values")
+
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, Example, title="x")
+    args = p.parse_args(["--no-flag", "--count", "3", "--scale", "2", "--names", "b,c", "d",
+                         "--values", "1", "2"])  # fmt: skip
+    got = dataclass_from_args(Example, args)
+    assert got == Example(flag=False, count=3, scale=2.0, names=["b", "c", "d"], values=[1.0, 2.0])
+    assert type(got.count) is int and type(got.scale) is float
+
+    @dataclass
+    class Odd:
+        when: dict | None = option(None, "no flag type")
+
+    with pytest.raises(TypeError, match="no command-line type for field when"):
+        add_dataclass_args(argparse.ArgumentParser(), Odd, title="x")
+
+
+def test_precedence_flags_then_file_then_preset_then_command_defaults(tmp_path, monkeypatch):
+    """Every section: a flag given > ``--config FILE`` > ``--preset`` (LoCA) > the command's
+    default > the field's default; the data folder falls back to $LOCA_DATA_DIR."""
+    from loca.cli.args import add_data_args, add_model_args, sections_from_args
+
+    monkeypatch.delenv("LOCA_DATA_DIR", raising=False)
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_data_args(p, n_train=11, n_heldout=12, n_test=13)
+    add_config_args(p)
+    (tmp_path / "run.json").write_text(json.dumps({
+        "model": {"dtype": "bfloat16", "device": "cpu"},
+        "data": {"n_train": 21, "n_heldout": 22},
+        "loca": {"feedback_rank": 4, "max_iters": 7, "etas": [0.5]},
+    }))  # fmt: skip
+    argv = ["--preset", "paper", "--config", str(tmp_path / "run.json")]
+    model, data, cfg = sections_from_args(p.parse_args([*argv, "--device", "cuda", "--n-train", "31",
+                                                        "--max-iters", "9"]), n_train=11, n_heldout=12,
+                                          n_test=13)  # fmt: skip
+    assert (model.model, model.dtype, model.device) == (ModelConfig().model, "bfloat16", "cuda")
+    assert (data.n_train, data.n_heldout, data.n_test, data.task) == (31, 22, 13, DataConfig().task)
+    paper = LocaConfig.preset("paper")
+    assert (cfg.max_iters, cfg.feedback_rank, cfg.etas) == (9, 4, [0.5])  # flag, file, file
+    assert (cfg.beta_rel, cfg.step_control, cfg.patience) == (paper.beta_rel, "fixed", paper.patience)
+    assert cfg.rank == LocaConfig().rank and data.data_dir is None
+    monkeypatch.setenv("LOCA_DATA_DIR", str(tmp_path / "env"))
+    assert sections_from_args(p.parse_args([]))[1].data_dir == str(tmp_path / "env")
+    assert sections_from_args(p.parse_args(["--data-dir", "given"]))[1].data_dir == "given"
+
+
+class _Resolved(Exception):
+    """Raised where a command would start work, carrying what it was given."""
+
+
+@pytest.mark.parametrize("command", ["fit", "calibrate", "evaluate", "bench", "compare"])
+def test_every_command_resolves_through_one_function(command, tmp_path, monkeypatch):
+    """fit, calibrate, evaluate, bench and compare build their sections with resolve_section, so
+    the precedence above holds for each (compare: the model and LoCA sections)."""
+    import loca.cli.args as cli_args
+    import loca.cli.compare_command as compare_command
+    from loca.cli.main import build_parser
+
+    seen, real = [], cli_args.resolve_section
+
+    def spy(args, name, **defaults):
+        seen.append(name)
+        return real(args, name, **defaults)
+
+    def stop(*a, **kw):
+        raise _Resolved(a, kw)
+
+    monkeypatch.setattr(cli_args, "resolve_section", spy)
+    monkeypatch.setattr(cli_args, "Pipeline", stop)
+    monkeypatch.setattr(compare_command, "run_compare", stop)
+    monkeypatch.delenv("LOCA_DATA_DIR", raising=False)
+    argv = [command, "--out", str(tmp_path / "out"), "--max-length", "99"]
+    if command != "evaluate":
+        (tmp_path / "c.json").write_text(json.dumps({"loca": {"max_length": 50, "feedback_rank": 3}}))
+        argv += ["--preset", "paper", "--config", str(tmp_path / "c.json")]
+    args = build_parser().parse_args(argv)
+    with pytest.raises(_Resolved) as stopped:
+        args._run(args)
+    a, kw = stopped.value.args
+    cfg = a[1].loca if command == "compare" else a[2]
+    assert {"model", "loca"} <= set(seen) and (command == "compare" or "data" in seen)
+    assert cfg.max_length == 99
+    if command != "evaluate":
+        assert (cfg.feedback_rank, cfg.max_iters) == (3, LocaConfig.preset("paper").max_iters)
+
+
+def test_the_data_dir_variable_is_read_in_one_place():
+    import pathlib
+    import re
+
+    import loca
+
+    src = pathlib.Path(loca.__file__).parent
+    reads = [f"{path.relative_to(src)}: {line.strip()}" for path in src.rglob("*.py")
+             for line in path.read_text().splitlines()
+             if re.search(r"environ.*(DATA_DIR_ENV|LOCA_DATA_DIR)", line)]  # fmt: skip
+    assert len(reads) == 1 and reads[0].startswith("data/sources.py"), reads

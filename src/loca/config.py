@@ -7,8 +7,10 @@ under ``model``, ``data`` and ``loca``: one name per quantity everywhere."""
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import asdict, dataclass, field, fields
-from typing import Self
+from functools import cache
+from typing import Self, Union, get_args, get_origin, get_type_hints
 
 # The sections of LocaConfig's fields, in the order the CLI shows them.
 SECTIONS = {
@@ -18,17 +20,69 @@ SECTIONS = {
 }
 
 
-def option(default, help: str, **kw):
+def option(default, help: str, *, choices: tuple | dict | None = None, **kw):
     """A dataclass field with its help text (the CLI flag's help) and, for LocaConfig, its
-    ``section``; lists get a default factory."""
+    ``section``; lists get a default factory. ``choices`` is the one place an option's allowed
+    values are spelled: a tuple, or a dict from each value to what it means. :class:`Settings`
+    refuses any other value, the CLI flag offers exactly these, and the help text lists them
+    (``help: 'a' = meaning; 'b' = meaning`` for a dict, ``help: a, b or c`` for a tuple)."""
+    if choices is not None:
+        kw["choices"] = tuple(choices)
+        help = f"{help}: {_describe(choices)}"
     if isinstance(default, list | tuple):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _describe(choices: tuple | dict) -> str:
+    if isinstance(choices, dict):
+        return "; ".join(f"{value!r} = {meaning}" for value, meaning in choices.items())
+    return f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0]
+
+
+def positive_finite(values) -> bool:
+    """A non-empty list of finite values > 0 (a list of candidates: η, λ_rel, learning rates, ε)."""
+    return bool(values) and all(x > 0 and math.isfinite(x) for x in values)
+
+
+@cache
+def field_types(cls) -> dict[str, object]:
+    """Each field's type from the class's real annotations, ``X | None`` as ``X``: ``bool``,
+    ``int``, ``float``, ``str`` or ``list[...]`` (what the CLI and the normalisation go by)."""
+    out = {}
+    for name, hint in get_type_hints(cls).items():
+        if get_origin(hint) in (Union, types.UnionType):
+            hint = next(a for a in get_args(hint) if a is not type(None))
+        out[name] = hint
+    return out
+
+
+@cache
+def accepts_none(cls, name: str) -> bool:
+    """Whether the field's annotation allows None (``X | None``)."""
+    return type(None) in get_args(get_type_hints(cls)[name])
+
+
 class Settings:
-    """What the settings dataclasses share (LoCA's and the baselines'): the dict round trip that a
-    run's configuration files use, and one error naming every invalid field."""
+    """What the settings dataclasses share (the run's sections and the baselines' settings, all
+    frozen once built): the dict round trip that a run's configuration files use, and the one
+    validation path. On construction (and every ``dataclasses.replace``) list fields become lists
+    and their ``float`` elements floats (so a JSON ``1`` is recorded as ``1.0``), then every field
+    whose value is not among its ``choices`` or fails the class's :meth:`checks` is named in one
+    ValueError."""
+
+    def __post_init__(self) -> None:
+        for name, kind in field_types(type(self)).items():
+            value = getattr(self, name)
+            if get_origin(kind) is list and value is not None:
+                convert = float if get_args(kind) == (float,) else None
+                object.__setattr__(self, name, [convert(x) for x in value] if convert else list(value))
+        self.refuse_invalid(self.checks())
+
+    def checks(self) -> dict[str, bool]:
+        """Field name → whether its value is valid, beyond the ``choices`` that every field
+        declaring them is checked against."""
+        return {}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,15 +95,40 @@ class Settings:
         return cls(**d)
 
     def refuse_invalid(self, checks: dict[str, bool]) -> None:
-        """Raise a ValueError naming (with its value) every field whose check is False."""
-        bad = [k for k, ok in checks.items() if not ok]
+        """Raise a ValueError naming (with its value, and the allowed values where there are
+        choices) every field that is not among its choices or whose check is False."""
+        unknown = set(checks) - {f.name for f in fields(self)}
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.checks() names no field: {sorted(unknown)}")
+        bad = []
+        for f in fields(self):
+            value, allowed = getattr(self, f.name), f.metadata.get("choices")
+            off_choices = allowed is not None and value not in allowed
+            if off_choices and value is None and accepts_none(type(self), f.name):
+                off_choices = False
+            if off_choices:
+                bad.append(f"{f.name}={value!r} (choose from {', '.join(allowed)})")
+            elif not checks.get(f.name, True):
+                bad.append(f"{f.name}={value!r}")
         if bad:
-            raise ValueError(
-                f"invalid {type(self).__name__} values: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
-            )
+            raise ValueError(f"invalid {type(self).__name__} values: {', '.join(bad)}")
 
 
-@dataclass
+def choices(cls, name: str) -> tuple | None:
+    """The allowed values of the field ``name`` of ``cls`` (None: any value of its type)."""
+    return next(f.metadata.get("choices") for f in fields(cls) if f.name == name)
+
+
+# Allowed values shared by more than one class (LoCA's A and Adapter-BP's, which trains the same A).
+A_INITS = {
+    "random": "N(0, 1/d) from (seed, block)",
+    "principal": "the top-r principal directions of each block's input at the predict positions (one "
+    "extra forward pass over the training data, streamed as a Nyström sketch)",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
 class LocaConfig(Settings):
     """Hyper-parameters of calibration (Stage I) and forward-only fitting (Stage II)."""
 
@@ -60,11 +139,13 @@ class LocaConfig(Settings):
     )
     feedback_gate: str = option(
         "none",
-        "which map a predict position's head error goes through: 'none' = one map per block (the "
-        "paper); 'role' = one map per block and position role (the prompt's last position, inside "
-        "the completion, the position predicting EOS), each fitted on its role's probe rows",
+        "which map a predict position's head error goes through",
         section="calibration",
-        choices=("none", "role"),
+        choices={
+            "none": "one map per block (the paper)",
+            "role": "one map per block and position role (the prompt's last position, inside the "
+            "completion, the position predicting EOS), each fitted on its role's probe rows",
+        },
     )
     lam_rel: list[float] = option(
         [1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r",
@@ -72,10 +153,12 @@ class LocaConfig(Settings):
     )
     ridge_center: str = option(
         "zero",
-        "what the adapter solve's ridge pulls B' towards: 'zero' (the paper; λ||B'||² also "
-        "shrinks B every iteration) or 'previous' (λ||B' − B||²: a damped step, no shrinkage)",
+        "what the adapter solve's ridge pulls B' towards",
         section="fit",
-        choices=("zero", "previous"),
+        choices={
+            "zero": "λ||B'||², the paper (it also shrinks B every iteration)",
+            "previous": "λ||B' − B||²: a damped step, no shrinkage",
+        },
     )
     etas: list[float] = option(
         [0.003, 0.01, 0.03],
@@ -85,30 +168,27 @@ class LocaConfig(Settings):
     )
     step_scale: str = option(
         "rms",
-        "target step: 'rms' = η relative to the residual stream (η·RMS(h)/RMS(F e) per block and "
-        "batch); 'absolute' = η as an absolute step (the paper's unnormalised ablation)",
+        "target step",
         section="fit",
-        choices=("rms", "absolute"),
+        choices={
+            "rms": "η relative to the residual stream (η·RMS(h)/RMS(F e) per block and batch)",
+            "absolute": "η as an absolute step (the paper's unnormalised ablation)",
+        },
     )
     step_control: str = option(
         "adaptive",
-        "'fixed' = one trajectory per η candidate, each at its fixed η (the paper); 'adaptive' = one "
-        "trajectory that starts at the first η, grows η by eta_grow after every step that lowers "
-        "the held-out CE and, after a step that does not, restores B and retries with η·eta_shrink "
-        "on the same training statistics (no new training pass)",
+        "how η is chosen",
         section="fit",
-        choices=("fixed", "adaptive"),
+        choices={
+            "fixed": "one trajectory per η candidate, each at its fixed η (the paper)",
+            "adaptive": "one trajectory that starts at the first η, grows η by eta_grow after every "
+            "step that lowers the held-out CE and, after a step that does not, restores B and "
+            "retries with η·eta_shrink on the same training statistics (no new training pass)",
+        },
     )
     eta_grow: float = option(1.5, "adaptive control: η factor after an accepted step (≥ 1)", section="fit")
     eta_shrink: float = option(0.5, "adaptive control: η factor after a rejected step (< 1)", section="fit")
-    a_init: str = option(
-        "random",
-        "the fixed down-projection A: 'random' = N(0, 1/d) from (seed, block); 'principal' = the "
-        "top-r principal directions of each block's input at the predict positions (one extra "
-        "forward pass over the training data, streamed as a Nyström sketch)",
-        section="fit",
-        choices=("random", "principal"),
-    )
+    a_init: str = option("random", "the fixed down-projection A", section="fit", choices=A_INITS)
     recalibrate_every: int = option(
         0,
         "adaptive control: refit the feedback maps at the current adapters after every this many "
@@ -183,23 +263,15 @@ class LocaConfig(Settings):
     add_eos: bool = option(True, "append EOS to the completion (and train on it)", section="shared")
     seed: int = option(0, "seed of A, probe sampling and random diagnostics", section="shared")
 
-    def __post_init__(self) -> None:
-        self.lam_rel = [float(x) for x in self.lam_rel]
-        self.etas = [float(x) for x in self.etas]
-        ok = math.isfinite
-        checks = {
+    def checks(self) -> dict[str, bool]:
+        return {
             "rank": self.rank >= 1,
             "feedback_rank": self.feedback_rank >= 1,
-            "beta_rel": self.beta_rel > 0 and ok(self.beta_rel),
-            "feedback_gate": self.feedback_gate in ("none", "role"),
-            "lam_rel": bool(self.lam_rel) and all(x > 0 and ok(x) for x in self.lam_rel),
-            "etas": bool(self.etas) and all(x > 0 and ok(x) for x in self.etas),
-            "step_scale": self.step_scale in ("rms", "absolute"),
-            "ridge_center": self.ridge_center in ("zero", "previous"),
-            "step_control": self.step_control in ("fixed", "adaptive"),
+            "beta_rel": self.beta_rel > 0 and math.isfinite(self.beta_rel),
+            "lam_rel": positive_finite(self.lam_rel),
+            "etas": positive_finite(self.etas),
             "eta_grow": 1 <= self.eta_grow < math.inf,
             "eta_shrink": 0 < self.eta_shrink < 1,
-            "a_init": self.a_init in ("random", "principal"),
             "recalibrate_every": self.recalibrate_every >= 0
             and (self.recalibrate_every == 0 or self.step_control == "adaptive"),
             "alignment_every": self.alignment_every >= 0,
@@ -211,18 +283,15 @@ class LocaConfig(Settings):
             "groups": self.groups >= 1,
             "probe_positions": self.probe_positions >= 1,
             "probe_micro_batch": self.probe_micro_batch >= 1,
-            "probe_memory_mb": self.probe_memory_mb >= 0 and ok(self.probe_memory_mb),
+            "probe_memory_mb": self.probe_memory_mb >= 0 and math.isfinite(self.probe_memory_mb),
             "batch_size": self.batch_size >= 1,
             "max_length": self.max_length >= 2,
         }
-        self.refuse_invalid(checks)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LocaConfig:
         """A named configuration (see :data:`PRESETS`) with ``overrides`` on top."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**preset_values(name), **overrides})
 
 
 # Named configurations. "paper" is the method as the paper states it (random A, fixed-η
@@ -239,12 +308,18 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def preset_values(name: str) -> dict:
+    """The LoCA settings a preset sets (the fields it leaves out keep their defaults)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return dict(PRESETS[name])
+
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DTYPES = ("float32", "bfloat16", "float16")
 
 
-@dataclass
-class ModelConfig:
+@dataclass(frozen=True)
+class ModelConfig(Settings):
     """Which model to load, where and how."""
 
     model: str = option(
@@ -264,22 +339,16 @@ class ModelConfig:
     device_map: str | None = option(
         None,
         "spread the model's blocks over the GPUs through accelerate, for a model larger than one "
-        "device: auto, balanced or sequential (replaces --device)",
+        "device (replaces --device)",
         choices=("auto", "balanced", "sequential"),
     )
 
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"invalid ModelConfig dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
-        if not self.model:
-            raise ValueError("ModelConfig.model is empty")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def checks(self) -> dict[str, bool]:
+        return {"model": bool(self.model)}
 
 
-@dataclass
-class DataConfig:
+@dataclass(frozen=True)
+class DataConfig(Settings):
     """Which task and how many examples of each split; the splits are drawn with LocaConfig.seed."""
 
     task: str = option("sst2", "task name (see `loca tasks`) or a JSON Lines file")
@@ -292,14 +361,9 @@ class DataConfig:
     n_heldout: int = option(64, "held-out examples (selection)")
     n_test: int = option(200, "test examples (0: the whole test split)")
 
-    def __post_init__(self) -> None:
-        bad = [f"{k}={getattr(self, k)!r}" for k in ("n_train", "n_heldout", "n_test")
-               if not isinstance(getattr(self, k), int) or getattr(self, k) < 0]  # fmt: skip
-        if bad:
-            raise ValueError(f"invalid DataConfig values: {', '.join(bad)} (counts must be integers ≥ 0)")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def checks(self) -> dict[str, bool]:  # counts: integers ≥ 0
+        return {k: isinstance(getattr(self, k), int) and getattr(self, k) >= 0
+                for k in ("n_train", "n_heldout", "n_test")}  # fmt: skip
 
 
 def sections_from_dict(obj: dict) -> dict:

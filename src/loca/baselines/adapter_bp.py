@@ -28,17 +28,20 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..config import Settings, option
+from ..config import A_INITS, Settings, option, positive_finite
 from ..data.batching import Batch
 from ..method.a_init import principal_a
 from ..method.adapters import ResidualAdapters
 from ..models.parts import ModelParts
 from .common import HeldoutSelector, RestorableRun, completion_loss, epoch_order
 
-CREDITS = ("all", "predict")
+CREDITS = {
+    "all": "the exact gradient (every position)",
+    "predict": "only block output gradients at the predict positions (LoCA's view)",
+}
 
 
-@dataclass
+@dataclass(frozen=True)
 class AdapterBpSettings(Settings):
     """Hyper-parameters of Adapter-BP."""
 
@@ -47,33 +50,21 @@ class AdapterBpSettings(Settings):
     eval_every: int = option(16, "held-out CE every N optimizer steps (and at each candidate's end)")
     weight_decay: float = option(0.0, "AdamW weight decay of B")
     grad_clip: float = option(1.0, "clip the gradient's global norm (over all B) to this; 0 = no clipping")
-    credit: str = option(
-        "all",
-        "which gradient reaches each block's B: 'all' = the exact gradient (every position); "
-        "'predict' = only block output gradients at the predict positions (LoCA's view)",
-        choices=CREDITS,
-    )
+    credit: str = option("all", "which gradient reaches each block's B", choices=CREDITS)
     rank: int = option(32, "adapter rank r (LoCA's)")
-    a_init: str = option(
-        "random", "the fixed A: 'random' from the seed, or 'principal' (as LoCA's a_init)",
-        choices=("random", "principal"),
-    )  # fmt: skip
+    a_init: str = option("random", "the fixed A, as LoCA's a_init", choices=A_INITS)
     seed: int = option(0, "seed of A (LoCA's for this seed) and of the minibatch order")
 
-    def __post_init__(self) -> None:
-        self.lrs = [float(x) for x in self.lrs]
-        checks = {
-            "lrs": bool(self.lrs) and all(math.isfinite(x) and x > 0 for x in self.lrs),
+    def checks(self) -> dict[str, bool]:
+        return {
+            "lrs": positive_finite(self.lrs),
             "epochs": self.epochs >= 1,
             "eval_every": self.eval_every >= 1,
             "weight_decay": self.weight_decay >= 0,
             "grad_clip": self.grad_clip >= 0,
-            "credit": self.credit in CREDITS,
             "rank": self.rank >= 1,
-            "a_init": self.a_init in ("random", "principal"),
             "seed": self.seed >= 0,
         }
-        self.refuse_invalid(checks)
 
 
 class _PredictCredit(torch.autograd.Function):
@@ -99,7 +90,7 @@ class BackpropAdapters:
 
     def __init__(self, adapters: ResidualAdapters, credit: str = "all"):
         if credit not in CREDITS:
-            raise ValueError(f"credit must be one of {CREDITS}, not {credit!r}")
+            raise ValueError(f"credit must be one of {tuple(CREDITS)}, not {credit!r}")
         self.adapters, self.parts, self.credit = adapters, adapters.parts, credit
         self.params = [b.detach().clone().requires_grad_(True) for b in adapters.B]
         self._rows: dict[torch.device, Tensor] = {}

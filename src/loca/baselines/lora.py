@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..config import Settings, option
+from ..config import Settings, option, positive_finite
 from ..data.batching import Batch
 from ..models.parts import ModelParts
 from .common import HeldoutSelector, MethodResult, completion_loss, epoch_order
@@ -27,7 +27,7 @@ from .common import HeldoutSelector, MethodResult, completion_loss, epoch_order
 ADAPTER_NAME = "default"
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraSettings(Settings):
     """Hyper-parameters of the LoRA baseline."""
 
@@ -49,23 +49,23 @@ class LoraSettings(Settings):
         "the single lr (the paper's protocol; the held-out CE is still measured)",
     )
 
-    def __post_init__(self) -> None:
-        self.lrs = [float(x) for x in self.lrs]
-        self.target_modules = list(self.target_modules)
-        checks = {
+    def checks(self) -> dict[str, bool]:
+        return {
             "rank": self.rank >= 1,
             "alpha": self.alpha > 0,
             "dropout": 0.0 <= self.dropout < 1.0,
             "target_modules": bool(self.target_modules)
             and all(isinstance(m, str) and m for m in self.target_modules),
-            "lrs": bool(self.lrs) and all(math.isfinite(x) and x > 0 for x in self.lrs),
+            "lrs": positive_finite(self.lrs),
             "epochs": self.epochs >= 1,
             "eval_every": self.eval_every >= 0,
             "weight_decay": self.weight_decay >= 0,
             "grad_clip": self.grad_clip >= 0,
             "seed": self.seed >= 0,
         }
-        self.refuse_invalid(checks)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.select and len(self.lrs) != 1:
             raise ValueError(f"LoraSettings(select=False) keeps the last iterate of one learning rate; "
                              f"got lrs={self.lrs}")  # fmt: skip

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..config import Settings, option
+from ..config import Settings, option, positive_finite
 from ..data.batching import Batch
 from ..infra import distributed
 from ..method.adapters import ResidualAdapters
@@ -54,7 +54,7 @@ ADAPTER_LRS = (1e-3, 3e-3, 1e-2)  # × 1/√D; see the module docstring
 FULL_LRS = (3e-2, 1e-1, 3e-1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MezoSettings(Settings):
     """Hyper-parameters of Adapter-MeZO and full MeZO."""
 
@@ -73,19 +73,15 @@ class MezoSettings(Settings):
     seed: int = option(0, "seed of the noise z, the minibatch order and (adapter-MeZO) A")
     rank: int = option(32, "adapter rank r (adapter-MeZO only)")
 
-    def __post_init__(self) -> None:
-        if self.lrs is not None:
-            self.lrs = [float(x) for x in self.lrs]
-        self.eps = [float(x) for x in self.eps]
-        checks = {
-            "lrs": self.lrs is None or (bool(self.lrs) and all(x > 0 and math.isfinite(x) for x in self.lrs)),
-            "eps": bool(self.eps) and all(x > 0 and math.isfinite(x) for x in self.eps),
+    def checks(self) -> dict[str, bool]:
+        return {
+            "lrs": self.lrs is None or positive_finite(self.lrs),
+            "eps": positive_finite(self.eps),
             "max_steps": self.max_steps >= 1,
             "time_budget_s": self.time_budget_s is None or self.time_budget_s > 0,
             "eval_every": self.eval_every >= 1,
             "rank": self.rank >= 1,
         }
-        self.refuse_invalid(checks)
 
     def candidates(self, default_lrs: Sequence[float]) -> list[dict]:
         """``{"lr", "eps"}`` for every pair, learning rate first."""

@@ -1,23 +1,43 @@
 """Argument groups generated from the configuration sections, and the set-up shared by the
 recipes: flags → (ModelConfig, DataConfig, LocaConfig) → :class:`loca.pipeline.Pipeline`.
 
-Every section flag is "given or not": a flag left out takes its value from ``--config FILE``, then
-from ``--preset`` (LoCA section), then from the command's default, so a run's own ``config.json``
-reproduces it and a flag on top changes just that value."""
+One precedence for every command (fit, calibrate, evaluate, bench, compare), in
+:func:`resolve_section`; the first that sets a value wins:
+
+1. the flags given on the command line (every section flag is "given or not": a flag left out
+   sets nothing);
+2. ``--config FILE`` (that section of it);
+3. ``--preset`` (the LoCA section only);
+4. the command's defaults (e.g. ``loca bench``'s ``n_train=64``), then the field's own default.
+
+So a run's own ``config.json`` reproduces it and a flag on top changes just that value. The
+data folder, when none of these names one, is ``$LOCA_DATA_DIR``
+(:func:`loca.data.sources.resolve_data_dir`). The sections are frozen once resolved."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import get_args, get_origin
 
-from ..config import PRESETS, SECTIONS, DataConfig, LocaConfig, ModelConfig, sections_from_dict
-from ..data.sources import DATA_DIR_ENV
+from ..config import (
+    PRESETS,
+    SECTIONS,
+    DataConfig,
+    LocaConfig,
+    ModelConfig,
+    field_types,
+    preset_values,
+    sections_from_dict,
+)
+from ..data.sources import resolve_data_dir
 from ..pipeline import Pipeline
 
 log = logging.getLogger("loca")
+SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "loca": LocaConfig}
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model section's flags."""
@@ -33,12 +53,6 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--quiet", action="store_true", help="warnings and errors only; no progress bars")
     g.add_argument("--verbose", action="store_true", help="also debug messages")
-
-
-def resolve_data_dir(arg: str | None) -> str | None:
-    """``--data-dir``, else ``$LOCA_DATA_DIR``, else None (the Hugging Face hub): recorded in run
-    configs as given. Nothing else is searched."""
-    return arg or os.environ.get(DATA_DIR_ENV) or None
 
 
 def add_dataclass_args(
@@ -62,7 +76,7 @@ def add_dataclass_args(
         help_text = f.metadata["help"] + f" (default {default})"
         if only_given:
             default = argparse.SUPPRESS
-        kind = _field_type(f)
+        kind = _field_type(cls, f.name)
         if kind is bool:
             g.add_argument(flag, dest=dest, default=default, action=argparse.BooleanOptionalAction,
                            help=help_text)  # fmt: skip
@@ -85,15 +99,15 @@ def _comma_list(kind):
     return parse
 
 
-def _field_type(f):
-    """``bool``, a scalar type, or ``[element type]`` for a list field, from the annotation."""
-    ann = str(f.type)
-    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
-        if ann.startswith(f"list[{name}]"):
-            return [kind]
-        if ann.startswith(name):
-            return kind
-    raise TypeError(f"no command-line type for field {f.name}: {ann}")
+def _field_type(cls, name: str):
+    """``bool``, a scalar type, or ``[element type]`` for a list field, from the field's real
+    annotation (``X | None`` as ``X``)."""
+    kind = field_types(cls)[name]
+    if get_origin(kind) is list:
+        kind = [get_args(kind)[0]]
+    if (kind[0] if isinstance(kind, list) else kind) not in (bool, int, float, str):
+        raise TypeError(f"no command-line type for field {name}: {kind}")
+    return kind
 
 
 def dataclass_from_args(cls, args: argparse.Namespace, prefix: str = "", build: bool = True, **overrides):
@@ -156,27 +170,35 @@ def _file_sections(args: argparse.Namespace) -> dict:
     return args._config_sections
 
 
+def resolve_section(args: argparse.Namespace, name: str, **defaults):
+    """The section ``name`` (``model``, ``data`` or ``loca``) of a run, every value from the first
+    that sets it: the flags given, ``--config FILE``, ``--preset`` (``loca`` only), ``defaults``
+    (the command's), the field's default. The data folder falls back to ``$LOCA_DATA_DIR``."""
+    cls = SECTION_CLASSES[name]
+    preset = preset_values(getattr(args, "preset", None) or "default") if name == "loca" else {}
+    values = {**defaults, **preset, **_file_sections(args).get(name, {}),
+              **dataclass_from_args(cls, args, build=False)}  # fmt: skip
+    if name == "data":
+        values["data_dir"] = resolve_data_dir(values.get("data_dir"))
+    return cls(**values)
+
+
 def config_from_args(args: argparse.Namespace) -> LocaConfig:
-    """The LoCA section: the preset, then ``--config FILE``, then the flags given."""
-    given = dataclass_from_args(LocaConfig, args, build=False)
-    from_file = _file_sections(args).get("loca", {})
-    return LocaConfig.preset(getattr(args, "preset", None) or "default", **{**from_file, **given})
+    """The LoCA section (:func:`resolve_section`)."""
+    return resolve_section(args, "loca")
 
 
 def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
-    """The model section: its defaults, then ``--config FILE``, then the flags given."""
-    return ModelConfig(**{**_file_sections(args).get("model", {}),
-                          **dataclass_from_args(ModelConfig, args, build=False)})  # fmt: skip
+    """The model section (:func:`resolve_section`)."""
+    return resolve_section(args, "model")
 
 
 def sections_from_args(
     args: argparse.Namespace, **data_defaults
 ) -> tuple[ModelConfig, DataConfig, LocaConfig]:
     """The three sections of a run (``data_defaults``: this command's data defaults)."""
-    data = {**data_defaults, **_file_sections(args).get("data", {}),
-            **dataclass_from_args(DataConfig, args, build=False)}  # fmt: skip
-    data["data_dir"] = resolve_data_dir(data.get("data_dir"))
-    return model_config_from_args(args), DataConfig(**data), config_from_args(args)
+    data = resolve_section(args, "data", **data_defaults)
+    return model_config_from_args(args), data, config_from_args(args)
 
 
 def pipeline_from_args(args: argparse.Namespace, **data_defaults) -> Pipeline:

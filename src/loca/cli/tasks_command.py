@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 
 from ..data import TASKS, get_task
-from ..data.sources import describe_source, has_split, load_task_split, source_kind
+from ..data.sources import describe_source, has_split, load_task_split, resolve_data_dir, source_kind
 from ..data.splits import PARTITION_SEED, PARTITION_TEST_FRACTION
-from .args import resolve_data_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

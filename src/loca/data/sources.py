@@ -230,12 +230,17 @@ def hub_row_to_example(
 # --- resolving a task's split ----------------------------------------------------------------
 
 
+def resolve_data_dir(data_dir: str | Path | None) -> str | Path | None:
+    """``data_dir`` if given, else ``$LOCA_DATA_DIR`` if set, else None (the Hugging Face hub):
+    the one place the variable is read. The CLI records the result in a run's configuration as
+    given; nothing else is searched."""
+    return data_dir or os.environ.get(DATA_DIR_ENV) or None
+
+
 def data_dir_or_env(data_dir: str | Path | None) -> Path | None:
-    """``data_dir`` if given, else ``$LOCA_DATA_DIR`` if set, else None."""
-    if data_dir is not None:
-        return Path(data_dir)
-    env = os.environ.get(DATA_DIR_ENV)
-    return Path(env) if env else None
+    """:func:`resolve_data_dir` as a Path."""
+    root = resolve_data_dir(data_dir)
+    return None if root is None else Path(root)
 
 
 def local_folder(task: Task, data_dir: str | Path | None = None) -> Path | None:
