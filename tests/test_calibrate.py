@@ -58,9 +58,7 @@ def test_calibrate_fits_the_dual_ridge_and_reports_alignment(tmp_path):
     items = sequences(40)
     probe = select_probe(items, n_positions=30, seed=0)
     assert sum(len(x.completion) for x in probe) >= 30
-    maps = calibrate(
-        parts, probe, sequences(8, seed=9), feedback_rank=4, beta_rel=1e-3, probe_micro_batch=5
-    )
+    maps = calibrate(parts, probe, sequences(8, seed=9), feedback_rank=4, beta_rel=1e-3, probe_micro_batch=5)
     e, grads = probe_gradients(parts, probe, probe_micro_batch=5, pad_id=0)
     want = feedback_factors(e, grads, 1e-3, 4)
     for f, w in zip(maps.factors, want, strict=True):
@@ -105,10 +103,21 @@ def test_calibration_leaves_parameter_grads_empty_whatever_requires_grad():
     model.requires_grad_(True)
     items = sequences(24)
     calibrate(parts, items, sequences(6, seed=3), feedback_rank=4, beta_rel=1e-3, probe_micro_batch=5)
-    cfg = LocaConfig(feedback_rank=4, rank=4, probe_positions=30, calibration_rounds=2,
-                     calibration_round_iters=2, batch_size=8)
+    cfg = LocaConfig(
+        feedback_rank=4,
+        rank=4,
+        probe_positions=30,
+        calibration_rounds=2,
+        calibration_round_iters=2,
+        batch_size=8,
+    )
     heldout = sequences(6, seed=3)
-    calibrate_maps(Calibrator(parts, items, heldout, cfg, pad_id=0), make_batches(items, 0, 8), make_batches(heldout, 0, 8), cfg)
+    calibrate_maps(
+        Calibrator(parts, items, heldout, cfg, pad_id=0),
+        make_batches(items, 0, 8),
+        make_batches(heldout, 0, 8),
+        cfg,
+    )
     params = list(model.parameters())
     assert all(p.requires_grad for p in params)
     assert all(p.grad is None for p in params)
@@ -157,7 +166,7 @@ def test_a_memory_budget_bounds_the_probe_micro_batches(monkeypatch):
     micro-batches then hold at most the tokens that fit, and the rows are the same."""
     import importlib
 
-    import loca.bench.measure
+    import loca.infra.memory
 
     cal = importlib.import_module("loca.method.probe")
     from loca.method.probe import probe_token_budget
@@ -175,7 +184,7 @@ def test_a_memory_budget_bounds_the_probe_micro_batches(monkeypatch):
     _, parts = tiny_llama()
     items = sequences(20)
     longest = max(len(it.ids) for it in items)
-    monkeypatch.setattr(loca.bench.measure, "PeakMemory", FakePeak)
+    monkeypatch.setattr(loca.infra.memory, "PeakMemory", FakePeak)
     assert probe_token_budget(parts, items, 0, True, memory_mb=2.0) == 4 * longest
     assert probe_token_budget(parts, items, 0, True, memory_mb=0.1) == longest  # never below one sequence
     seen = []

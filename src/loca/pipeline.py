@@ -83,8 +83,12 @@ class Pipeline:
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: not readable JSON ({exc})") from None
         s = sections_from_dict(obj)
-        return cls(ModelConfig(**s.get("model", {})), DataConfig(**s.get("data", {})),
-                   LocaConfig(**s.get("loca", {})), **kwargs)  # fmt: skip
+        return cls(
+            ModelConfig(**s.get("model", {})),
+            DataConfig(**s.get("data", {})),
+            LocaConfig(**s.get("loca", {})),
+            **kwargs,
+        )
 
     # -- set-up -----------------------------------------------------------------------------
     @property
@@ -93,9 +97,13 @@ class Pipeline:
         if self._splits is None:
             d = self.data
             self._splits = load_splits(
-                self.task, n_train=d.n_train, n_heldout=d.n_heldout, n_test=d.n_test,
-                seed=self.cfg.seed, data_dir=d.data_dir,
-            )  # fmt: skip
+                self.task,
+                n_train=d.n_train,
+                n_heldout=d.n_heldout,
+                n_test=d.n_test,
+                seed=self.cfg.seed,
+                data_dir=d.data_dir,
+            )
             for message in degenerate_warnings(self._splits):
                 log.warning(f"task {self.task.name!r}: {message}")
         return self._splits
@@ -117,9 +125,13 @@ class Pipeline:
         if self._model is None:
             m = self.model_config
             model, tokenizer = load_model(
-                m.model, device=distributed.local_device(m.device), dtype=m.dtype, random_init=m.random_init,
-                trust_remote_code=m.trust_remote_code, device_map=m.device_map,
-            )  # fmt: skip
+                m.model,
+                device=distributed.local_device(m.device),
+                dtype=m.dtype,
+                random_init=m.random_init,
+                trust_remote_code=m.trust_remote_code,
+                device_map=m.device_map,
+            )
             self._set_model(model, tokenizer)
         return self
 
@@ -163,14 +175,18 @@ class Pipeline:
             self._encoded = (self.encode(s.train), self.encode(s.heldout))
             self._truncated = {
                 name: count_truncated(self.tokenizer, self.task, examples, items)
-                for name, examples, items in (("train", s.train, self._encoded[0]),
-                                              ("heldout", s.heldout, self._encoded[1]))
-            }  # fmt: skip
+                for name, examples, items in (
+                    ("train", s.train, self._encoded[0]),
+                    ("heldout", s.heldout, self._encoded[1]),
+                )
+            }
             for name, n in self._truncated.items():
                 if n:
                     total = len(s.train if name == "train" else s.heldout)
-                    log.warning(f"{n} of {total} {name} prompts were cut from the left to fit --max-length "
-                                f"{self.cfg.max_length}; their question may be lost")  # fmt: skip
+                    log.warning(
+                        f"{n} of {total} {name} prompts were cut from the left to fit --max-length "
+                        f"{self.cfg.max_length}; their question may be lost"
+                    )
         return self._encoded
 
     def use_items(self, train: list[Encoded], heldout: list[Encoded]) -> None:
@@ -198,8 +214,9 @@ class Pipeline:
     def calibrator(self) -> Calibrator:
         if self._calibrator is None:
             train, heldout = self.encoded()
-            self._calibrator = Calibrator(self.parts, train, heldout, self.cfg, self.pad_id,
-                                          progress=self.progress)  # fmt: skip
+            self._calibrator = Calibrator(
+                self.parts, train, heldout, self.cfg, self.pad_id, progress=self.progress
+            )
         return self._calibrator
 
     def calibrate(self) -> FeedbackMaps:
@@ -215,26 +232,48 @@ class Pipeline:
         The run's ``feedback_rank``, ``feedback_gate`` and ``beta_rel`` become the maps'."""
         maps = FeedbackMaps.from_pretrained(directory, self.parts)
         check_maps_data(maps, self.task.name, self.splits, str(directory))
-        self.cfg = replace(self.cfg, feedback_rank=maps.rank, feedback_gate=maps.gate,
-                           beta_rel=maps.meta.get("beta_rel", self.cfg.beta_rel))  # fmt: skip
+        self.cfg = replace(
+            self.cfg,
+            feedback_rank=maps.rank,
+            feedback_gate=maps.gate,
+            beta_rel=maps.meta.get("beta_rel", self.cfg.beta_rel),
+        )
         self._calibrator = None  # built again with the maps' settings
         return maps
 
     # -- Stage II -----------------------------------------------------------------------------
-    def fit(self, maps: FeedbackMaps | None = None, *, resume: FitState | None = None,
-            writer: RunWriter | None = None) -> LocaRun:  # fmt: skip
+    def fit(
+        self,
+        maps: FeedbackMaps | None = None,
+        *,
+        resume: FitState | None = None,
+        writer: RunWriter | None = None,
+    ) -> LocaRun:
         """The LoCA run (:func:`loca.method.run.run_loca`) on the run's data: calibrate unless
         ``maps`` are given, then fit forward-only; ``writer`` receives its progress."""
-        return run_loca(self.parts, self.calibrator, *self.batched(), self.cfg, maps=maps, meta=self._maps_meta(),
-                        resume=resume, writer=writer, progress=self.progress)  # fmt: skip
+        return run_loca(
+            self.parts,
+            self.calibrator,
+            *self.batched(),
+            self.cfg,
+            maps=maps,
+            meta=self._maps_meta(),
+            resume=resume,
+            writer=writer,
+            progress=self.progress,
+        )
 
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, examples=None, adapters: ResidualAdapters | None = None) -> dict:
         """Test metrics (:func:`loca.eval.evaluation.evaluate`) of the model as it is, or with
         ``adapters`` attached for the call; ``examples`` default to the test split."""
         examples = self.test_set()[0] if examples is None else examples
-        args = dict(max_length=self.cfg.max_length, batch_size=self.cfg.batch_size,
-                    add_eos=self.cfg.add_eos, progress=self.progress)  # fmt: skip
+        args = dict(
+            max_length=self.cfg.max_length,
+            batch_size=self.cfg.batch_size,
+            add_eos=self.cfg.add_eos,
+            progress=self.progress,
+        )
         with torch.no_grad():
             if adapters is None or adapters.attached:
                 return evaluate(self.parts, self.tokenizer, self.task, examples, **args)
@@ -257,8 +296,14 @@ class Pipeline:
             "versions": versions(),
         }
 
-    def run(self, out: str | Path | None = None, *, maps: str | Path | None = None,
-            resume: bool = False, overwrite: bool = False) -> dict:  # fmt: skip
+    def run(
+        self,
+        out: str | Path | None = None,
+        *,
+        maps: str | Path | None = None,
+        resume: bool = False,
+        overwrite: bool = False,
+    ) -> dict:
         """Calibrate (or load ``maps``), fit, evaluate LoCA and the frozen model on the test set;
         with ``out``, write the run folder as the fit goes. ``resume`` continues an interrupted run
         in ``out`` (built by :meth:`from_run`) from its last completed iteration."""
@@ -287,8 +332,9 @@ class Pipeline:
         if self.cfg.max_iters == 0:
             log.info("LoCA: --max-iters 0 runs no Stage II iteration; returning the frozen model (B = 0)")
         elif not result.improved:
-            log.info("LoCA: no candidate beat the frozen model on held-out CE; returning the frozen "
-                     "model (B = 0)")  # fmt: skip
+            log.info(
+                "LoCA: no candidate beat the frozen model on held-out CE; returning the frozen model (B = 0)"
+            )
         try:  # the adapters come off again whatever happens
             results = self._results(result, run.maps.meta.get("alignment", {}), start)
             if main:
@@ -333,8 +379,10 @@ def check_maps_data(maps: FeedbackMaps, task: str, splits: Splits, where: str) -
     test examples (the selection and the test would then see calibration data)."""
     meta = maps.meta
     if "task" not in meta or "splits" not in meta:
-        log.warning(f"feedback maps {where} do not record their task and splits; cannot check that "
-                    "their probe is disjoint from this run's held-out and test examples")  # fmt: skip
+        log.warning(
+            f"feedback maps {where} do not record their task and splits; cannot check that "
+            "their probe is disjoint from this run's held-out and test examples"
+        )
         return
     if meta["task"] != task:
         raise ValueError(f"feedback maps {where} were calibrated on task {meta['task']!r}, not {task!r}")
@@ -355,8 +403,13 @@ def _selected_row(result: FitResult) -> dict | None:
     """The history row of the selected candidate (None when the frozen model won)."""
     if not result.improved:
         return None
-    rows = [r for r in result.history if r.get("iteration") == result.best_iteration
-            and r.get("heldout_ce") == result.heldout_ce and "diagnostic" not in r]  # fmt: skip
+    rows = [
+        r
+        for r in result.history
+        if r.get("iteration") == result.best_iteration
+        and r.get("heldout_ce") == result.heldout_ce
+        and "diagnostic" not in r
+    ]
     return rows[-1] if rows else None
 
 

@@ -39,9 +39,11 @@ class RunFolder(RunWriter):
         if rerun:
             for name in ("results.json", "history.jsonl", "config.json"):
                 (out / name).unlink(missing_ok=True)
-            for sub, cfg_file, fmt in (("adapter", CONFIG_NAMES, "loca-adapter"),
-                                       ("maps", MAPS_CONFIG, MAPS_FORMAT),
-                                       ("checkpoint", FIT_STATE_CONFIG, FIT_STATE_FORMAT)):  # fmt: skip
+            for sub, cfg_file, fmt in (
+                ("adapter", CONFIG_NAMES, "loca-adapter"),
+                ("maps", MAPS_CONFIG, MAPS_FORMAT),
+                ("checkpoint", FIT_STATE_CONFIG, FIT_STATE_FORMAT),
+            ):
                 if is_artefact(out / sub, cfg_file, fmt):
                     shutil.rmtree(out / sub)
 
@@ -53,8 +55,9 @@ class RunFolder(RunWriter):
         if run_command(out) != "fit" or not (out / "config.json").is_file():
             raise ValueError(f"--resume: {out} holds no `loca fit` run to continue")
         if (out / "results.json").is_file():
-            raise ValueError(f"--resume: the run in {out} has finished (results.json is there); "
-                             "nothing to resume")  # fmt: skip
+            raise ValueError(
+                f"--resume: the run in {out} has finished (results.json is there); nothing to resume"
+            )
         return json.loads((out / "config.json").read_text()).get("maps")
 
     @staticmethod
@@ -95,6 +98,8 @@ class RunFolder(RunWriter):
         """The final adapter (with its selection and test metrics), ``results.json``; the
         checkpoint goes."""
         metrics = {k: results[k] for k in ("frozen", "loca")}
-        adapters.save_pretrained(self.out / "adapter", extra={**self.extra, "selection": selection, "metrics": metrics})
+        adapters.save_pretrained(
+            self.out / "adapter", extra={**self.extra, "selection": selection, "metrics": metrics}
+        )
         atomic_write_json(self.out / "results.json", results)
         shutil.rmtree(self.out / "checkpoint", ignore_errors=True)

@@ -8,10 +8,7 @@ of one run are meaningful even on a noisy machine.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -19,53 +16,7 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 
-
-def _libc():
-    try:
-        lib = ctypes.CDLL("libc.so.6")
-        return lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-_M_MMAP_THRESHOLD = -3
-
-
-def _trim() -> None:
-    gc.collect()
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-# glibc raises its mmap threshold after large frees and then keeps freed buffers in the heap, so
-# a phase run after another shows no RSS growth at all. With a fixed 64 KiB threshold every tensor
-# buffer is mapped on its own and unmapped when freed, and RSS tracks live memory.
-
-
-class RssSampler:
-    """Samples this process's resident set size every ``interval`` seconds in a thread."""
-
-    def __init__(self, interval: float = 0.005):
-        self.interval = interval
-        self.samples: list[int] = []
-        self._proc = psutil.Process()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(self._proc.memory_info().rss)
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.samples.append(self._proc.memory_info().rss)
+from ..infra.memory import LIBC, M_MMAP_THRESHOLD, RssSampler, trim
 
 
 @dataclass
@@ -89,7 +40,7 @@ def measure_once(
 
     On the CPU with ``sample_rss=False`` no sampling thread runs and both MB figures are NaN.
     """
-    _trim()
+    trim()
     mb = 2.0**20
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -121,7 +72,7 @@ def measure_phases(
     """Time every phase ``repeats`` times, interleaved (round-robin), after ``warmup`` runs each.
 
     On the CPU, memory is measured in one more interleaved sweep with glibc returning every freed
-    buffer to the OS (see the note above :class:`RssSampler`), and time in sweeps with glibc's
+    buffer to the OS (see :mod:`loca.infra.memory`), and time in sweeps with glibc's
     usual caching of large buffers and no sampling thread, so neither distorts the timings.
     """
     for fn in phases.values():
@@ -129,12 +80,12 @@ def measure_phases(
             fn()
     runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in phases}
     memory: dict[str, list[tuple[float, float]]] = {name: [] for name in phases}
-    exact = device.type == "cpu" and _LIBC is not None
+    exact = device.type == "cpu" and LIBC is not None
     if exact:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, 64 * 2**10)
+        LIBC.mallopt(M_MMAP_THRESHOLD, 64 * 2**10)
         for name, fn in phases.items():
             memory[name].append(measure_once(fn, device)[1:])
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+        LIBC.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
     for _ in range(repeats):
         for name, fn in phases.items():
             runs[name].append(measure_once(fn, device, sample_rss=not exact))
@@ -152,36 +103,3 @@ def measure_phases(
         )
         for name, rs in runs.items()
     ]
-
-
-class PeakMemory:
-    """Peak memory beyond what was in use on entry, over a ``with`` body, in MB (``peak_mb``).
-
-    GPU: ``max_memory_allocated`` after a reset, minus the allocation on entry. CPU: the process's
-    RSS sampled every 20 ms by a thread, minus the RSS on entry. ``kind`` names which was measured.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.kind = "cuda_allocated" if device.type == "cuda" else "cpu_rss"
-        self.peak_mb = float("nan")
-
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            _trim()
-            self._base = psutil.Process().memory_info().rss
-            self._sampler = RssSampler(interval=0.02).__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self._sampler.__exit__(*exc)
-            peak = max(self._sampler.samples)
-        self.peak_mb = max(0, peak - self._base) / 2.0**20

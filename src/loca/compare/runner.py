@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..baselines.adapter_bp import AdapterBpSettings
-from ..bench.measure import PeakMemory
 from ..config import PRESETS, DataConfig, LocaConfig, ModelConfig, option
 from ..data import get_task, make_batches
 from ..infra import distributed
 from ..infra.io import atomic_write_json
+from ..infra.memory import PeakMemory
 from ..infra.versions import versions
 from ..models.parts import clamp_max_length, find_parts, fingerprint, load_model
 from ..pipeline import Pipeline

@@ -5,7 +5,7 @@ The pure metric functions are in :mod:`loca.eval.metrics`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -15,9 +15,6 @@ from ..data.batching import Batch
 from ..infra import distributed
 from ..models.parts import ModelParts
 from .metrics import TokenCE, rank_choices
-
-if TYPE_CHECKING:
-    from ..method.graphs import BatchGraphs
 
 
 def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
@@ -31,7 +28,14 @@ def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def completion_ce(parts: ModelParts, batches: Sequence[Batch], graphs: BatchGraphs | None = None) -> TokenCE:
+class Replays(Protocol):
+    """Captured per-batch passes (:class:`loca.method.graphs.BatchGraphs`): ``run(index, fn)``
+    returns ``fn(batch index)``'s outputs from its replayed graph."""
+
+    def run(self, index: int, fn, key=()) -> tuple: ...
+
+
+def completion_ce(parts: ModelParts, batches: Sequence[Batch], graphs: Replays | None = None) -> TokenCE:
     """Mean per-token CE over the completion tokens of ``batches`` (EOS included and excluded).
     ``graphs``: CUDA graphs made for these ``batches`` (:class:`loca.method.graphs.BatchGraphs`).
     Data-parallel: each rank runs its share of the batches and the sums are reduced."""

@@ -236,7 +236,9 @@ class ResidualAdapters:
             adapters = cls(parts, rank=rank, seed=seed, a=stored_a)
             adapters.set_b([tensors[f"B.{i}"] for i in range(n)])
         except (KeyError, ValueError) as exc:
-            raise ValueError(f"{weights}: does not hold {n} blocks' adapters of rank {rank} ({exc})") from None
+            raise ValueError(
+                f"{weights}: does not hold {n} blocks' adapters of rank {rank} ({exc})"
+            ) from None
         if not all(torch.isfinite(t).all() for t in (*adapters.A, *adapters.B)):
             raise ValueError(f"{weights}: holds NaN or Inf values")
         return adapters

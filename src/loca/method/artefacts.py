@@ -43,7 +43,9 @@ def write_adapter(directory: str | Path, tensors: dict[str, Tensor], config: dic
     return Path(directory)
 
 
-def read_adapter(directory: str | Path, current: dict, hidden_size: int) -> tuple[dict[str, Tensor], dict, Path]:
+def read_adapter(
+    directory: str | Path, current: dict, hidden_size: int
+) -> tuple[dict[str, Tensor], dict, Path]:
     """``(tensors, config, weights file)`` of an adapter folder made for the checkpoint whose
     fingerprint is ``current`` (folders with the legacy PEFT-like names load too)."""
     directory = Path(directory)
@@ -134,8 +136,8 @@ def _model_card(config: dict) -> str:
         "```python",
         "import loca",
         "from transformers import AutoModelForCausalLM",
-        "model = AutoModelForCausalLM.from_pretrained(\"<the base model>\")",
-        "adapters = loca.from_pretrained(model, \"<this folder>\")  # attached; .unload() removes them",
+        'model = AutoModelForCausalLM.from_pretrained("<the base model>")',
+        'adapters = loca.from_pretrained(model, "<this folder>")  # attached; .unload() removes them',
         "```",
         "",
         "Not a PEFT adapter: PEFT and transformers cannot load it; loca checks the base model's",
@@ -149,8 +151,10 @@ def _metrics_lines(metrics: dict | None) -> list[str]:
     if not metrics:
         return []
     f, m = metrics["frozen"], metrics["loca"]
-    return [f"- test ({m['n_test']} examples): CE {f['test_ce']:.4f} → {m['test_ce']:.4f}, "
-            f"acc {f['test_acc']:.3f} → {m['test_acc']:.3f} (frozen → LoCA)"]  # fmt: skip
+    return [
+        f"- test ({m['n_test']} examples): CE {f['test_ce']:.4f} → {m['test_ce']:.4f}, "
+        f"acc {f['test_acc']:.3f} → {m['test_acc']:.3f} (frozen → LoCA)"
+    ]
 
 
 def read_json_object(path: Path) -> dict:

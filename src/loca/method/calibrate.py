@@ -35,8 +35,9 @@ def _pooled(pool: list[tuple[Tensor, list[Tensor], Tensor]]) -> tuple[Tensor, li
     return errors, grads, torch.cat([r for _, _, r in pool])
 
 
-def fit_factors(errors: Tensor, grads: list[Tensor], roles: Tensor, gate: str, beta_rel: float,
-                rank: int) -> list[FeedbackFactors]:  # fmt: skip
+def fit_factors(
+    errors: Tensor, grads: list[Tensor], roles: Tensor, gate: str, beta_rel: float, rank: int
+) -> list[FeedbackFactors]:
     """Every block's map(s) from probe rows: one map, or one per role (``gate='role'``)."""
     if gate == "none":
         return feedback_factors(errors, grads, beta_rel, rank)
@@ -78,8 +79,17 @@ def calibrate(
     was_training = parts.model.training
     parts.model.eval()
     try:
-        errors, grads = probe_gradients(parts, probe, probe_micro_batch, pad_id, progress, probe_checkpoint,
-                                        probe_memory_mb, probe_synthetic, seed)  # fmt: skip
+        errors, grads = probe_gradients(
+            parts,
+            probe,
+            probe_micro_batch,
+            pad_id,
+            progress,
+            probe_checkpoint,
+            probe_memory_mb,
+            probe_synthetic,
+            seed,
+        )
         roles = probe_roles(probe, pad_id).to(errors.device)
         n = roles.shape[0]  # natural rows first, then the synthetic sets (one pooled set, equal weight)
         sets = [(errors[:n], [g[:n] for g in grads], roles)]
@@ -106,9 +116,13 @@ def calibrate(
         }
         if heldout_probe:
             h_err, h_grads = probe_gradients(
-                parts, heldout_probe, probe_micro_batch, pad_id, recompute=probe_checkpoint,
+                parts,
+                heldout_probe,
+                probe_micro_batch,
+                pad_id,
+                recompute=probe_checkpoint,
                 memory_mb=probe_memory_mb,
-            )  # fmt: skip
+            )
             h_roles = probe_roles(heldout_probe, pad_id)
             h_mask = gate_mask(h_roles, gates, rank)
             diag["heldout"] = [alignment(f, h_err, g, h_mask) for f, g in zip(factors, h_grads, strict=True)]
@@ -148,8 +162,15 @@ class Calibrator:
     object serves the first calibration, calibration rounds
     (:func:`loca.method.run.calibrate_maps`) and any re-calibration during a fit."""
 
-    def __init__(self, parts: ModelParts, train: Sequence[Encoded], heldout: Sequence[Encoded], cfg,
-                 pad_id: int, progress: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        parts: ModelParts,
+        train: Sequence[Encoded],
+        heldout: Sequence[Encoded],
+        cfg,
+        pad_id: int,
+        progress: bool = False,
+    ):
         self.parts, self.cfg, self.pad_id, self.progress = parts, cfg, pad_id, progress
         self.train, self.heldout = list(train), list(heldout)
         self.probe = select_probe(train, cfg.probe_positions, cfg.seed)
@@ -161,12 +182,21 @@ class Calibrator:
         """One probe at the model's current state (adapters included), pooled with ``pool``."""
         cfg = self.cfg
         return calibrate(
-            self.parts, self.probe, self.heldout_probe, feedback_rank=cfg.feedback_rank,
-            beta_rel=cfg.beta_rel, feedback_gate=cfg.feedback_gate, probe_synthetic=cfg.probe_synthetic,
+            self.parts,
+            self.probe,
+            self.heldout_probe,
+            feedback_rank=cfg.feedback_rank,
+            beta_rel=cfg.beta_rel,
+            feedback_gate=cfg.feedback_gate,
+            probe_synthetic=cfg.probe_synthetic,
             probe_micro_batch=cfg.probe_micro_batch,
-            probe_checkpoint=cfg.probe_checkpoint, probe_memory_mb=cfg.probe_memory_mb, pad_id=self.pad_id,
-            seed=cfg.seed, pool=pool, progress=self.progress,
-        )  # fmt: skip
+            probe_checkpoint=cfg.probe_checkpoint,
+            probe_memory_mb=cfg.probe_memory_mb,
+            pad_id=self.pad_id,
+            seed=cfg.seed,
+            pool=pool,
+            progress=self.progress,
+        )
 
     def heldout_alignment(self, maps: FeedbackMaps) -> list[float]:
         """Per-block alignment of ``maps`` with the true gradients on the held-out probe at the
@@ -177,8 +207,12 @@ class Calibrator:
         self.parts.model.eval()
         try:
             err, grads = probe_gradients(
-                self.parts, self.heldout_probe, self.cfg.probe_micro_batch, self.pad_id,
-                recompute=self.cfg.probe_checkpoint, memory_mb=self.cfg.probe_memory_mb,
+                self.parts,
+                self.heldout_probe,
+                self.cfg.probe_micro_batch,
+                self.pad_id,
+                recompute=self.cfg.probe_checkpoint,
+                memory_mb=self.cfg.probe_memory_mb,
             )
         finally:
             self.parts.model.train(was_training)

@@ -92,10 +92,38 @@ class _Loop:
         candidate at the same B shares them."""
         hit = self.cache.get(id(cand.b))
         first = hit[2] if hit is not None and hit[0] is self.credit and hit[1] is cand.b else None
-        train_ce, first = stage2_pass(self.parts, self.adapters, self.credit, self.train, cand.b, cand.eta,
-                                      cand.lam_rel, self.cfg, self.groups, first=first, graphs=self.train_graphs)  # fmt: skip
+        train_ce, first = stage2_pass(
+            self.parts,
+            self.adapters,
+            self.credit,
+            self.train,
+            cand.b,
+            cand.eta,
+            cand.lam_rel,
+            self.cfg,
+            self.groups,
+            first=first,
+            graphs=self.train_graphs,
+        )
         self.cache[id(cand.b)] = (self.credit, cand.b, first)
         return train_ce, self.heldout_ce()
+
+    def iterate(self, state: FitState, on_checkpoint, progress: bool) -> None:
+        """Iterations ``state.iteration + 1 .. max_iters`` (until every candidate stopped), with a
+        progress bar and a state snapshot to ``on_checkpoint`` after each."""
+        first, last = state.iteration + 1, self.cfg.max_iters
+        off = not progress or not distributed.is_main()
+        bar = tqdm(range(first, last + 1), desc="LoCA", unit="it", initial=first - 1, total=last, disable=off)
+        try:
+            for it in bar:
+                if all(c.stopped for c in state.candidates):
+                    break
+                self.advance(state, it)
+                bar.set_postfix(heldout_ce=f"{state.best.ce:.4f}", best_it=state.best.iteration)
+                if on_checkpoint:
+                    on_checkpoint(state.snapshot())
+        finally:
+            bar.close()
 
     def advance(self, state: FitState, it: int) -> None:
         """Iteration ``it``: one step of every live candidate, then the diagnostic if due."""
@@ -119,8 +147,15 @@ class _Loop:
                 return
             train_ce, ce, error = math.nan, math.inf, str(exc)  # a rejected step
         improved = ce < cand.best_ce
-        row = {"iteration": it, "eta": eta, "lam_rel": cand.lam_rel, "heldout_ce": ce, "train_ce": train_ce,
-               "b_norm": self.adapters.norm(), "time_s": time.perf_counter() - t0}  # fmt: skip
+        row = {
+            "iteration": it,
+            "eta": eta,
+            "lam_rel": cand.lam_rel,
+            "heldout_ce": ce,
+            "train_ce": train_ce,
+            "b_norm": self.adapters.norm(),
+            "time_s": time.perf_counter() - t0,
+        }
         if self.control.marks_acceptance:
             row["accepted"] = improved
         if error:
@@ -154,8 +189,16 @@ class _Loop:
         t0 = time.perf_counter()
         self.adapters.set_b(state.best.b)
         per_block = self.calibrator.heldout_alignment(self.credit)
-        self.log(state, {"iteration": it, "diagnostic": "heldout_alignment", "alignment": per_block,
-                         "median": sorted(per_block)[len(per_block) // 2], "time_s": time.perf_counter() - t0})  # fmt: skip
+        self.log(
+            state,
+            {
+                "iteration": it,
+                "diagnostic": "heldout_alignment",
+                "alignment": per_block,
+                "median": sorted(per_block)[len(per_block) // 2],
+                "time_s": time.perf_counter() - t0,
+            },
+        )
 
     def start_state(self) -> FitState:
         """Iteration 0: the frozen model's held-out CE, every candidate at B = 0."""
@@ -163,10 +206,24 @@ class _Loop:
         if not math.isfinite(frozen_ce):
             raise NonFiniteStatisticsError(f"the frozen model's held-out CE is {frozen_ce}")
         zero = self.adapters.get_b()
-        state = FitState(0, frozen_ce, self.control.candidates(frozen_ce, zero), Best(frozen_ce, zero),
-                         a=[x.cpu() for x in self.adapters.A])  # fmt: skip
-        self.log(state, {"iteration": 0, "eta": None, "lam_rel": None, "heldout_ce": frozen_ce, "train_ce": None,
-                         "b_norm": 0.0})  # fmt: skip
+        state = FitState(
+            0,
+            frozen_ce,
+            self.control.candidates(frozen_ce, zero),
+            Best(frozen_ce, zero),
+            a=[x.cpu() for x in self.adapters.A],
+        )
+        self.log(
+            state,
+            {
+                "iteration": 0,
+                "eta": None,
+                "lam_rel": None,
+                "heldout_ce": frozen_ce,
+                "train_ce": None,
+                "b_norm": 0.0,
+            },
+        )
         return state
 
     def result(self, state: FitState) -> FitResult:
@@ -174,13 +231,20 @@ class _Loop:
             c.stopped = c.stopped or f"max_iters ({self.cfg.max_iters})"
         graphs = (self.train_graphs, self.heldout_graphs)
         return FitResult(
-            self.adapters, state.frozen_ce, state.best.ce, state.best.eta, state.best.lam_rel, state.best.iteration,
-            improved=state.best.iteration > 0, history=state.history,
+            self.adapters,
+            state.frozen_ce,
+            state.best.ce,
+            state.best.eta,
+            state.best.lam_rel,
+            state.best.iteration,
+            improved=state.best.iteration > 0,
+            history=state.history,
             stop_reasons={self.control.label(c): c.stopped for c in state.candidates},
-            wall_time_s=time.perf_counter() - self.start, recalibrations=state.recalibrations,
+            wall_time_s=time.perf_counter() - self.start,
+            recalibrations=state.recalibrations,
             recalibration_time_s=state.recalibration_s,
             graph_capture_s=sum(g.capture_s for g in graphs if g is not None),
-        )  # fmt: skip
+        )
 
 
 def _check(parts: ModelParts, credit: Credit, train, heldout, cfg: LocaConfig, calibrator) -> None:
@@ -201,8 +265,19 @@ def _resumed(state: FitState) -> FitState:
     same = lambda b: zero if zero is not None and all(not x.any() for x in b) else [x.clone() for x in b]  # noqa: E731
     for c in state.candidates:
         c.b = same(c.b)
-    state.best = Best(state.best.ce, same(state.best.b), state.best.eta, state.best.lam_rel, state.best.iteration)
+    state.best = Best(
+        state.best.ce, same(state.best.b), state.best.eta, state.best.lam_rel, state.best.iteration
+    )
     return state
+
+
+def _adapters(parts: ModelParts, train, cfg: LocaConfig, resume: FitState | None) -> ResidualAdapters:
+    """A fresh set: the resumed fit's A, or principal or random A."""
+    if resume is not None:
+        a = resume.a
+    else:
+        a = principal_a(parts, train, cfg.rank, cfg.seed) if cfg.a_init == "principal" else None
+    return ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed, a=a)
 
 
 def fit(
@@ -220,46 +295,31 @@ def fit(
     adapters: ResidualAdapters | None = None,
     progress: bool = True,
 ) -> FitResult:
-    """Fit the adapters forward-only and select (η, λ, iteration) by held-out CE.
-
-    ``cfg`` (default :class:`LocaConfig()`) gives every hyper-parameter; ``calibrator`` is needed
-    only for re-calibration and the alignment diagnostic. The best snapshot (the frozen model
-    included) is restored in a ``finally`` block: an error, a non-finite statistic or an interrupt
-    never leaves a half-updated model (adapters the fit made itself are detached again).
+    """Fit the adapters forward-only and select (η, λ, iteration) by held-out CE, the frozen model
+    included; the best snapshot is restored whatever happens (adapters the fit made itself are
+    detached on an error). ``calibrator``: for re-calibration and the alignment diagnostic only.
     ``on_iteration`` gets each history row, ``on_improve`` the adapters at each new best,
-    ``on_checkpoint`` a :class:`FitState` snapshot after each iteration; ``resume`` continues from
-    one (same data and ``cfg`` assumed). ``adapters``: an existing set to fit (A kept, B reset)."""
+    ``on_checkpoint`` a :class:`FitState` snapshot per iteration, which ``resume`` continues (same
+    data and ``cfg``). ``adapters``: an existing set to fit (A kept, B reset)."""
     cfg = cfg or LocaConfig()
     _check(parts, maps, train, heldout, cfg, calibrator)
     start = time.perf_counter() - (resume.elapsed_s if resume else 0.0)
     created = adapters is None or resume is not None  # detached again if the fit fails
-    if created:
-        a = resume.a if resume else principal_a(parts, train, cfg.rank, cfg.seed) if cfg.a_init == "principal" else None
-        adapters = ResidualAdapters(parts, rank=cfg.rank, seed=cfg.seed, a=a)
+    adapters = _adapters(parts, train, cfg, resume) if created else adapters
     adapters.attach().reset()
-    loop = _Loop(parts, (resume and resume.maps) or maps, train, heldout, cfg, adapters, calibrator,
-                 (on_iteration, on_improve), start)  # fmt: skip
+    credit = (resume and resume.maps) or maps
+    loop = _Loop(parts, credit, train, heldout, cfg, adapters, calibrator, (on_iteration, on_improve), start)
     try:
         state = _resumed(resume.snapshot()) if resume else loop.start_state()
     except BaseException:
         adapters.detach()
         raise
-    first = state.iteration + 1
-    bar = tqdm(range(first, cfg.max_iters + 1), desc="LoCA", unit="it", disable=not progress or not distributed.is_main(),
-               initial=first - 1, total=cfg.max_iters)  # fmt: skip
     try:
-        for it in bar:
-            if all(c.stopped for c in state.candidates):
-                break
-            loop.advance(state, it)
-            bar.set_postfix(heldout_ce=f"{state.best.ce:.4f}", best_it=state.best.iteration)
-            if on_checkpoint:
-                on_checkpoint(state.snapshot())
+        loop.iterate(state, on_checkpoint, progress)
     except BaseException:
         if created:  # nobody holds these adapters: leave the model as it was
             adapters.detach()
         raise
     finally:
-        bar.close()
         adapters.set_b(state.best.b)
     return loop.result(state)

@@ -43,7 +43,10 @@ class StaticWeights:
         B is unchanged since the last call (same tensor, same version) are not copied."""
         a_s, b_s = self.adapters.A, self.adapters.B
         if not self.buffers or self.buffers[0][0].dtype != dtype:
-            self.buffers = [(a.T.to(dtype).contiguous(), b.T.to(dtype).contiguous()) for a, b in zip(a_s, b_s, strict=True)]
+            self.buffers = [
+                (a.T.to(dtype).contiguous(), b.T.to(dtype).contiguous())
+                for a, b in zip(a_s, b_s, strict=True)
+            ]
         else:
             for (_, bt), b, seen in zip(self.buffers, b_s, self.seen, strict=True):
                 if seen[0] is not b or seen[1] != b._version:  # B replaced or edited since
@@ -133,12 +136,20 @@ def _prepared(batch: Batch, parts: ModelParts) -> Batch:
         width = t
     pad = lambda x: torch.nn.functional.pad(x, (0, width - t))  # noqa: E731
     mask = pad(batch.attention_mask)
-    return Batch(pad(batch.input_ids), None if bool(mask.all()) else mask, batch.pos_b, batch.pos_t,
-                 batch.targets, batch.is_eos, batch.items)  # fmt: skip
+    return Batch(
+        pad(batch.input_ids),
+        None if bool(mask.all()) else mask,
+        batch.pos_b,
+        batch.pos_t,
+        batch.targets,
+        batch.is_eos,
+        batch.items,
+    )
 
 
-def batch_graphs(parts: ModelParts, adapters: ResidualAdapters, batches: Sequence[Batch],
-                 share: BatchGraphs | None = None) -> BatchGraphs | None:  # fmt: skip
+def batch_graphs(
+    parts: ModelParts, adapters: ResidualAdapters, batches: Sequence[Batch], share: BatchGraphs | None = None
+) -> BatchGraphs | None:
     """Graphs for ``batches`` (sharing ``share``'s memory pool, if given), or None where graphs do
     not apply (not one CUDA device)."""
     if not BatchGraphs.supported(parts):

@@ -105,6 +105,8 @@ class FeedbackMaps:
         meta = {k: v for k, v in cfg.items() if k not in ("format", "version", "fingerprint")}
         gate = meta.get("feedback_gate", "none")
         if gate not in GATES or factors[0].v.shape[1] % GATES[gate]:
-            raise ValueError(f"{directory / MAPS_CONFIG}: feedback_gate {gate!r} does not match the maps' shape")
+            raise ValueError(
+                f"{directory / MAPS_CONFIG}: feedback_gate {gate!r} does not match the maps' shape"
+            )
         maps = cls(factors, cfg["fingerprint"], meta)
         return maps.to_blocks(parts) if parts is not None else maps

@@ -46,8 +46,14 @@ def checkpointed(blocks) -> Iterator[None]:
 
 
 def probe_gradients(
-    parts: ModelParts, items: Sequence[Encoded], probe_micro_batch: int, pad_id: int,
-    progress: bool = False, recompute: bool = False, memory_mb: float = 0.0, synthetic: int = 0,
+    parts: ModelParts,
+    items: Sequence[Encoded],
+    probe_micro_batch: int,
+    pad_id: int,
+    progress: bool = False,
+    recompute: bool = False,
+    memory_mb: float = 0.0,
+    synthetic: int = 0,
     seed: int = 0,
 ) -> tuple[Tensor, list[Tensor]]:
     """Head errors E (N×d) and true block-output gradients G_l (N×d) at every predict position.
@@ -72,8 +78,13 @@ def probe_gradients(
     batches = make_batches(items, pad_id, batch_size=probe_micro_batch, max_tokens=max_tokens)
     draws = synthetic_tokens(items, [b.n_positions for b in batches], synthetic, seed)
     mine = distributed.owned(len(batches))  # data-parallel: this rank's micro-batches
-    shown = tqdm(mine, desc="calibrate", unit="micro-batch", leave=False,
-                 disable=not progress or not distributed.is_main())  # fmt: skip
+    shown = tqdm(
+        mine,
+        desc="calibrate",
+        unit="micro-batch",
+        leave=False,
+        disable=not progress or not distributed.is_main(),
+    )
     for index in shown:
         # each set of errors as one leading slice: natural first, then the synthetic sets
         e, captured = _probe_step(parts, batches[index], recompute, draws[index])
@@ -93,8 +104,12 @@ def probe_gradients(
     return rows(errors), [rows(g) for g in grads]
 
 
-def synthetic_tokens(items: Sequence[Encoded], rows: Sequence[int], synthetic: int, seed: int,
-                     ) -> list[Tensor]:  # fmt: skip
+def synthetic_tokens(
+    items: Sequence[Encoded],
+    rows: Sequence[int],
+    synthetic: int,
+    seed: int,
+) -> list[Tensor]:
     """For each micro-batch (``rows`` predict positions each, in order), ``synthetic`` × rows tokens j
     drawn uniformly from the probe's target tokens, seeded: the same draw for a position whatever
     the micro-batches (one draw over all rows, then split)."""
@@ -117,8 +132,12 @@ def synthetic_errors(head_weight: Tensor, targets: Tensor, tokens: Tensor) -> Te
     return w[tokens.to(w.device)].float() - w[targets].float()
 
 
-def _probe_step(parts: ModelParts, batch, recompute: bool, tokens: Tensor | None = None,
-                ) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
+def _probe_step(
+    parts: ModelParts,
+    batch,
+    recompute: bool,
+    tokens: Tensor | None = None,
+) -> tuple[Tensor, dict[int, Tensor]]:
     """One micro-batch's head errors and block-output gradients at its predict positions, each with a
     leading dimension of 1 + K error sets: the natural one and, for ``tokens`` (K×N, see
     :func:`synthetic_tokens`), K synthetic ones (one backward pass each through one forward)."""
@@ -133,8 +152,9 @@ def _probe_step(parts: ModelParts, batch, recompute: bool, tokens: Tensor | None
             embeds = embed(b.input_ids).detach().requires_grad_(True)
             hn = parts.final_hidden(b.input_ids, b.attention_mask, b.pos_b, b.pos_t, inputs_embeds=embeds)
             with torch.no_grad():
-                _, e = head_loss_and_error(hn.detach(), parts.head.weight, parts.head.bias, b.targets,
-                                           parts.transform)  # fmt: skip
+                _, e = head_loss_and_error(
+                    hn.detach(), parts.head.weight, parts.head.bias, b.targets, parts.transform
+                )
                 errors = [e.float()]
                 if tokens is not None and len(tokens):
                     errors += list(synthetic_errors(parts.head.weight, b.targets, tokens))
@@ -150,13 +170,14 @@ def _probe_step(parts: ModelParts, batch, recompute: bool, tokens: Tensor | None
     return torch.stack(errors), stacked_sets
 
 
-def probe_token_budget(parts: ModelParts, items: Sequence[Encoded], pad_id: int, recompute: bool,
-                       memory_mb: float) -> int | None:  # fmt: skip
+def probe_token_budget(
+    parts: ModelParts, items: Sequence[Encoded], pad_id: int, recompute: bool, memory_mb: float
+) -> int | None:
     """The padded tokens a probe micro-batch may hold within ``memory_mb``: one trial step on the
     longest sequence measures the peak per token (GPU: allocated memory; CPU: sampled RSS), and
     the budget is scaled from it, never below that one sequence. None when the trial shows no
     measurable growth (everything fits)."""
-    from ..bench.measure import PeakMemory
+    from ..infra.memory import PeakMemory
 
     longest = max(items, key=lambda it: len(it.ids))
     trial = make_batches([longest], pad_id, batch_size=1)[0]

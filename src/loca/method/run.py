@@ -33,8 +33,10 @@ class RunWriter:
         """The maps the fit will use (``calibrated``: made by this run, not loaded)."""
         align = maps.meta.get("alignment", {})
         if align:
-            log.info(f"calibration: alignment probe {_range(align['probe'])}, held-out "
-                     f"{_range(align.get('heldout', []))}, random map {_range(align['random'])}")  # fmt: skip
+            log.info(
+                f"calibration: alignment probe {_range(align['probe'])}, held-out "
+                f"{_range(align.get('heldout', []))}, random map {_range(align['random'])}"
+            )
 
     def iteration(self, row: dict) -> None:
         """A history row (one candidate's step, or a diagnostic)."""
@@ -58,7 +60,11 @@ class LocaRun:
 
 
 def calibrate_maps(
-    calibrator: Calibrator, train: Sequence[Batch], heldout: Sequence[Batch], cfg: LocaConfig, meta: dict | None = None
+    calibrator: Calibrator,
+    train: Sequence[Batch],
+    heldout: Sequence[Batch],
+    cfg: LocaConfig,
+    meta: dict | None = None,
 ) -> FeedbackMaps:
     """Stage I as configured: one probe at the model's current state, or with
     ``calibration_rounds`` R > 1, R probes pooled: after each, a short forward-only fit
@@ -71,8 +77,13 @@ def calibrate_maps(
     if rounds == 1:
         maps = calibrator.refit()
     else:
-        short = replace(cfg, max_iters=cfg.calibration_round_iters, recalibrate_every=0, alignment_every=0,
-                        calibration_rounds=1)  # fmt: skip
+        short = replace(
+            cfg,
+            max_iters=cfg.calibration_round_iters,
+            recalibrate_every=0,
+            alignment_every=0,
+            calibration_rounds=1,
+        )
         pool: list = []
         maps = calibrator.refit(pool)
         for _ in range(rounds - 1):
@@ -113,9 +124,19 @@ def run_loca(
     writer.maps(maps, calibrated)
     forward_only = not (cfg.recalibrate_every or cfg.alignment_every)
     with torch.no_grad() if forward_only else nullcontext():
-        result = fit(parts, maps, train, heldout, cfg, calibrator=None if forward_only else calibrator,
-                     on_iteration=writer.iteration, on_improve=writer.improved, on_checkpoint=writer.checkpoint,
-                     resume=resume, progress=progress)  # fmt: skip
+        result = fit(
+            parts,
+            maps,
+            train,
+            heldout,
+            cfg,
+            calibrator=None if forward_only else calibrator,
+            on_iteration=writer.iteration,
+            on_improve=writer.improved,
+            on_checkpoint=writer.checkpoint,
+            resume=resume,
+            progress=progress,
+        )
     return LocaRun(maps, result, calibration_s, time.perf_counter() - start)
 
 

@@ -39,9 +39,13 @@ class Recorder:
     GPU pays few launches for recording."""
 
     def __init__(
-        self, pos_b: Tensor, pos_t: Tensor, width: int, stacks: dict[torch.device, tuple[list[int], Tensor]],
+        self,
+        pos_b: Tensor,
+        pos_t: Tensor,
+        width: int,
+        stacks: dict[torch.device, tuple[list[int], Tensor]],
         budget_mb: float = 1.0,
-    ):  # fmt: skip
+    ):
         """``width``: the batch's padded length T (flat index ``b·T + t`` of a position);
         ``stacks``: per device, the blocks recorded there in forward order and their A stacked
         (L×r×d, float32)."""
@@ -85,7 +89,6 @@ class Recorder:
         return torch.cat([c for c, _ in done]), torch.cat([n for _, n in done])
 
 
-
 def block_groups(num_blocks: int, groups: int) -> list[list[int]]:
     """Split blocks 0..L-1 into ``groups`` contiguous, near-equal groups (input side first)."""
     groups = min(groups, num_blocks)
@@ -102,9 +105,13 @@ def _by_device(adapters: ResidualAdapters, blocks: Sequence[int]) -> dict[torch.
 
 
 def _batch_outputs(
-    parts: ModelParts, adapters: ResidualAdapters, credit: Credit, b: Batch,
-    by_device: dict[torch.device, list[int]], consts: dict[torch.device, tuple[Tensor, Tensor]],
-) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]]]:  # fmt: skip
+    parts: ModelParts,
+    adapters: ResidualAdapters,
+    credit: Credit,
+    b: Batch,
+    by_device: dict[torch.device, list[int]],
+    consts: dict[torch.device, tuple[Tensor, Tensor]],
+) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]]]:
     """The per-batch part of a Stage II pass (what a CUDA graph captures): the forward with the
     adapters and the recording hooks, the head loss and error, and per device the codes
     ``p`` (L×N×r), input norms² (L) and projected errors ``y = E V_k`` (L×N×k)."""
@@ -150,7 +157,10 @@ def collect_statistics(
     stats = {dev: BlockStats.zeros(adapters.rank, k, dev, blocks=len(ls)) for dev, ls in by_device.items()}
     sigma = {dev: torch.stack([credit.sigma(l) for l in ls]) for dev, ls in by_device.items()}  # L × k
     consts = {  # per device: all V_k side by side (d × L·k), A stacked (L × r × d); views, not copies
-        dev: (stacked.cat([credit.projection(l) for l in ls], dim=1), stacked.stack([adapters.A[l] for l in ls]))
+        dev: (
+            stacked.cat([credit.projection(l) for l in ls], dim=1),
+            stacked.stack([adapters.A[l] for l in ls]),
+        )
         for dev, ls in by_device.items()
     }
     if graphs is not None:  # a graph reads them from fixed buffers (one device)
@@ -187,9 +197,15 @@ def collect_statistics(
 
 
 def solve_blocks(
-    adapters: ResidualAdapters, credit: Credit, stats: dict[int, BlockStats], blocks: Sequence[int],
-    eta: float, lam_rel: float, center: str, budget_mb: float = 64.0,
-) -> None:  # fmt: skip
+    adapters: ResidualAdapters,
+    credit: Credit,
+    stats: dict[int, BlockStats],
+    blocks: Sequence[int],
+    eta: float,
+    lam_rel: float,
+    center: str,
+    budget_mb: float = 64.0,
+) -> None:
     """Replace ``B_l`` of every block in ``blocks`` by its ridge solve, in place: batched solves
     (:func:`loca.core.ridge.solve_block` on a stack) per device, over as many blocks at a time as keep
     the solve's float64 d×r temporaries (about six per block) within ``budget_mb``."""
@@ -223,8 +239,8 @@ def stage2_pass(
     then each block's ridge solve with step ``eta``. Leaves the adapters at the new B and returns
     ``(training CE at b, the first group's statistics)``; pass those back as ``first`` to retry
     from the same ``b`` with another η without a new forward pass. ``graphs``: CUDA graphs made
-    for ``train`` (:class:`loca.method.graphs.BatchGraphs`). This is the step :func:`loca.method.fit.fit` takes and
-    ``loca bench`` times."""
+    for ``train`` (:class:`loca.method.graphs.BatchGraphs`). This is the step
+    :func:`loca.method.fit.fit` takes and ``loca bench`` times."""
     groups = groups or block_groups(parts.num_blocks, cfg.groups)
     adapters.set_b(b)
     train_ce = math.nan

@@ -121,7 +121,9 @@ def load_fit_state(directory: str | Path, parts: ModelParts) -> FitState:
             raise ValueError(f"{directory / FIT_STATE_CONFIG}: its tensors miss {exc}") from None
 
     candidates = [
-        Candidate(**{**c, "best_ce": math.inf if c["best_ce"] is None else c["best_ce"], "b": get(f"trajectory{j}")})
+        Candidate(
+            **{**c, "best_ce": math.inf if c["best_ce"] is None else c["best_ce"], "b": get(f"trajectory{j}")}
+        )
         for j, c in enumerate(meta["trajectories"])
     ]
     maps = None
@@ -139,7 +141,3 @@ def load_fit_state(directory: str | Path, parts: ModelParts) -> FitState:
         recalibration_s=meta["recalibration_s"],
         maps=maps,
     )
-
-
-
-
