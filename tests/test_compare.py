@@ -183,9 +183,32 @@ def test_yardsticks_run_end_to_end(setup):
     # LoRA's cell key has no `select` while it is the default: cells stored before it still match
     from loca.compare.runner import _method_config
 
-    configs = MethodConfigs(loca=LocaConfig(), lora=LoraSettings(), adapter_mezo=None, mezo=None)
+    configs = MethodConfigs(loca=LocaConfig(), baselines={"lora": LoraSettings()})
     lora_key = _method_config("lora", configs, CompareSettings(), 0, None)
     assert "select" not in lora_key and LoraSettings(**lora_key) == LoraSettings()
+
+
+def test_every_place_that_names_a_method_reads_its_record():
+    from loca.cli.compare_command import method_configs
+    from loca.cli.main import build_parser
+    from loca.compare.methods import CEILINGS, DEFAULT_METHODS, REGISTRY, baseline_options, get_method
+    from loca.compare.plots import COLORS
+    from loca.compare.report import LABELS, loca_like
+
+    assert set(LABELS) == set(COLORS) == set(REGISTRY) == set(CompareSettings(methods=list(REGISTRY)).methods)
+    assert LABELS["loca-abs"] == "LoCA (abs η)" and COLORS["adapter-bp-predict"] == "lightcoral"
+    assert DEFAULT_METHODS == ["frozen", "lora", "loca", "adapter-mezo"] == CompareSettings().methods
+    assert CEILINGS == ("adapter-bp-predict", "adapter-bp")  # predict first
+    assert [m for m in REGISTRY if loca_like(m)] == ["loca", "loca-abs"] and loca_like("loca@x")
+    assert not loca_like("sgd") and get_method("loca@x").run is REGISTRY["loca"].run
+    with pytest.raises(ValueError, match="unknown method 'sgd'"):
+        get_method("sgd")
+    # one flag group per settings class a method names, in the methods' order
+    assert [(o.prefix, o.title) for o in baseline_options()] == [
+        ("lora", "LoRA"), ("adapter-bp", "Adapter-BP"), ("mezo", "Adapter-MeZO"), ("full-mezo", "full MeZO")]
+    configs = method_configs(build_parser().parse_args(["compare", "--out", "x"]))  # the defaults
+    assert configs.of(REGISTRY["lora"].options) == LoraSettings()
+    assert set(configs.to_dict()) == {"loca", "lora", "adapter_bp", "adapter_mezo", "mezo"}
 
 
 def _cell(task, seed, method, test_ce, acc=0.5):
