@@ -32,6 +32,7 @@ from .args import (
     add_output_args,
     config_from_args,
     dataclass_from_args,
+    given_loca_flags,
     model_config_from_args,
     resolve_data_dir,
 )
@@ -56,6 +57,7 @@ def method_configs(args: argparse.Namespace) -> MethodConfigs:
     return MethodConfigs(
         loca=config_from_args(args),
         baselines={o.key: dataclass_from_args(o.cls, args, o.prefix) for o in baseline_options()},
+        loca_flags=frozenset(given_loca_flags(args)),
     )
 
 

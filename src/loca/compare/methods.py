@@ -181,10 +181,12 @@ MEZO = Options("mezo", MezoSettings, "full-mezo", "full MeZO", skip=_MEZO_SKIP)
 class MethodConfigs:
     """The settings the methods are configured from: ``loca``, the run's LoCA configuration, and
     ``baselines`` by :attr:`Options.key` (``lora``, ``adapter_bp``, ``adapter_mezo``, ``mezo``; one
-    left out or None takes its class's defaults)."""
+    left out or None takes its class's defaults). ``loca_flags``: the LoCA fields the run gave
+    explicitly (its flags), which a variant's preset does not override."""
 
     loca: LocaConfig
     baselines: dict[str, Any] = field(default_factory=dict)
+    loca_flags: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         unknown = set(self.baselines) - {o.key for o in baseline_options()}
@@ -246,10 +248,13 @@ def _loca_abs(m: Method, c: Context) -> dict:
 
 
 def _loca_variant(m: Method, c: Context) -> dict:
-    """A LoCA variant: its preset and keys over the run's LoCA configuration."""
+    """A LoCA variant. From the strongest: the variant's own keys, the run's LoCA flags, the
+    variant's preset, the run's preset and config file, the defaults."""
     over = dict(c.compare.variants()[m.name.removeprefix(VARIANT)])
     preset = PRESETS[over.pop("preset", "default")]
-    return LocaConfig(**{**c.configs.loca.to_dict(), **preset, **over, "seed": c.seed}).to_dict()
+    run = c.configs.loca.to_dict()  # the run's preset, config file and flags over the defaults
+    flags = {k: run[k] for k in c.configs.loca_flags}
+    return LocaConfig(**{**run, **preset, **flags, **over, "seed": c.seed}).to_dict()
 
 
 def _lora(m: Method, c: Context) -> dict:

@@ -51,8 +51,9 @@ class CompareSettings:
     loca_variants: str = option(
         "",
         "extra LoCA configurations, each run as method loca@NAME: a JSON object "
-        '{"NAME": {"preset": "paper", "beta_rel": 1.0, ...}} (LoCA flags with an optional preset '
-        "applied on top of this run's LoCA flags) or the path of a file holding one",
+        '{"NAME": {"preset": "paper", "beta_rel": 1.0, ...}} (LoCA settings with an optional preset; '
+        "from the strongest: the variant's settings, this run's LoCA flags, the variant's preset, "
+        "this run's --preset and --config) or the path of a file holding one",
     )
 
     def __post_init__(self) -> None:
