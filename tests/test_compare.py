@@ -242,7 +242,11 @@ def test_every_place_that_names_a_method_reads_its_record():
         get_method("sgd")
     # one flag group per settings class a method names, in the methods' order
     assert [(o.prefix, o.title) for o in baseline_options()] == [
-        ("lora", "LoRA"), ("adapter-bp", "Adapter-BP"), ("mezo", "Adapter-MeZO"), ("full-mezo", "full MeZO")]
+        ("lora", "LoRA"),
+        ("adapter-bp", "Adapter-BP"),
+        ("mezo", "Adapter-MeZO"),
+        ("full-mezo", "full MeZO"),
+    ]
     configs = method_configs(build_parser().parse_args(["compare", "--out", "x"]))  # the defaults
     assert configs.of(REGISTRY["lora"].options) == LoraSettings()
     assert set(configs.to_dict()) == {"loca", "lora", "adapter_bp", "adapter_mezo", "mezo"}
