@@ -10,6 +10,7 @@ import pytest
 from tiny import save_tiny_model, write_sentiment_task
 
 from loca.baselines.lora import LoraSettings
+from loca.cli.args import dataclass_from_args
 from loca.cli.main import main
 from loca.compare import CompareSettings, MethodConfigs
 from loca.config import LocaConfig
@@ -111,7 +112,7 @@ def test_list_flags_take_commas_or_spaces():
 def test_loca_variants_run_as_extra_methods_with_an_ablation_table(setup, tmp_path):
     root, args = setup
     base = args[: args.index("--methods")]
-    variants = json.dumps({"paper": {"preset": "paper", "max_iters": 2, "feedback_rank": 4},
+    variants = json.dumps({"paper": {"preset": "paper", "max_iters": 3},
                            "adapt": {"step_control": "adaptive", "ridge_center": "previous"}})  # fmt: skip
     out = tmp_path / "abl"
     run = [*base, "--seeds", "0", "--methods", "frozen", "lora", "loca", "--loca-variants", variants]
@@ -119,8 +120,9 @@ def test_loca_variants_run_as_extra_methods_with_an_ablation_table(setup, tmp_pa
     cells = {p.stem for p in (out / "cells" / "sst2" / "seed0").glob("*.json")}
     assert cells == {"frozen", "lora", "loca", "loca@paper", "loca@adapt"}
     cfg = json.loads((out / "cells" / "sst2" / "seed0" / "loca@paper.json").read_text())["key"]["config"]
-    assert cfg["etas"] == [0.003, 0.01, 0.03] and cfg["rank"] == 32  # the preset over the flags
-    assert cfg["feedback_rank"] == 4 and cfg["max_iters"] == 2  # the variant over the preset
+    assert cfg["etas"] == [0.01, 0.03] and cfg["rank"] == 4 and cfg["feedback_rank"] == 4  # the flags
+    assert cfg["step_control"] == "fixed" and cfg["beta_rel"] == 1e-3  # the preset over the defaults
+    assert cfg["max_iters"] == 3  # the variant over the flags (--max-iters 2)
     table = (out / "table.md").read_text()
     assert "| loca@adapt |" in table and "median R_CE" in table
     summary = json.loads((out / "results.json").read_text())["summary"]
@@ -133,6 +135,41 @@ def test_loca_variants_run_as_extra_methods_with_an_ablation_table(setup, tmp_pa
         from loca.compare import CompareSettings
 
         CompareSettings(loca_variants='{"x": {"learning_rate": 1}}')
+
+
+def test_loca_variant_precedence(tmp_path):
+    """From the strongest: the variant's keys, the run's flags, the variant's preset, the run's
+    --preset and --config, the defaults."""
+    from loca.cli.compare_command import method_configs
+    from loca.cli.main import build_parser
+    from loca.compare.runner import _method_config
+
+    def configs_of(*flags):
+        args = build_parser().parse_args(["compare", "--out", "x", *flags])
+        settings, configs = dataclass_from_args(CompareSettings, args), method_configs(args)
+        return configs, lambda m: _method_config(m, configs, settings, 1, None)
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"loca": {"feedback_rank": 16, "probe_micro_batch": 4}}))
+    variants = {"paper": {"preset": "paper"}, "mine": {"preset": "paper", "max_iters": 7, "rank": 16},
+                "plain": {"beta_rel": 2.0}}  # fmt: skip
+    configs, cfg = configs_of("--max-iters", "4", "--rank", "8", "--config", str(config),
+                              "--loca-variants", json.dumps(variants))  # fmt: skip
+    assert configs.loca_flags == {"max_iters", "rank"}
+    assert (configs.loca.max_iters, configs.loca.feedback_rank, configs.loca.probe_micro_batch) == (4, 16, 4)
+    paper = cfg("loca@paper")
+    assert paper["max_iters"] == 4 and paper["rank"] == 8  # the run's flags over the variant's preset
+    assert paper["feedback_rank"] == 8 and paper["step_control"] == "fixed"  # the preset over the file
+    assert paper["probe_micro_batch"] == 4 and paper["seed"] == 1  # the file where the preset is silent
+    mine = cfg("loca@mine")
+    assert mine["max_iters"] == 7 and mine["rank"] == 16 and mine["feedback_rank"] == 8  # its keys first
+    # without a preset a variant is the run's configuration with its keys
+    assert cfg("loca@plain") == {**cfg("loca"), "beta_rel": 2.0}
+    # the run's --preset is below the variant's preset, like its config file
+    configs, cfg = configs_of("--preset", "paper", "--feedback-rank", "4", "--loca-variants",
+                              '{"d": {"preset": "default"}, "p": {"preset": "paper"}}')  # fmt: skip
+    assert cfg("loca")["max_iters"] == 40 and cfg("loca@d") == cfg("loca")  # "default" adds nothing
+    assert cfg("loca@p")["feedback_rank"] == 4
 
 
 def test_loca_variants_file_is_read_once(tmp_path):
@@ -183,9 +220,36 @@ def test_yardsticks_run_end_to_end(setup):
     # LoRA's cell key has no `select` while it is the default: cells stored before it still match
     from loca.compare.runner import _method_config
 
-    configs = MethodConfigs(loca=LocaConfig(), lora=LoraSettings(), adapter_mezo=None, mezo=None)
+    configs = MethodConfigs(loca=LocaConfig(), baselines={"lora": LoraSettings()})
     lora_key = _method_config("lora", configs, CompareSettings(), 0, None)
     assert "select" not in lora_key and LoraSettings(**lora_key) == LoraSettings()
+
+
+def test_every_place_that_names_a_method_reads_its_record():
+    from loca.cli.compare_command import method_configs
+    from loca.cli.main import build_parser
+    from loca.compare.methods import CEILINGS, DEFAULT_METHODS, REGISTRY, baseline_options, get_method
+    from loca.compare.plots import COLORS
+    from loca.compare.report import LABELS, loca_like
+
+    assert set(LABELS) == set(COLORS) == set(REGISTRY) == set(CompareSettings(methods=list(REGISTRY)).methods)
+    assert LABELS["loca-abs"] == "LoCA (abs η)" and COLORS["adapter-bp-predict"] == "lightcoral"
+    assert DEFAULT_METHODS == ["frozen", "lora", "loca", "adapter-mezo"] == CompareSettings().methods
+    assert CEILINGS == ("adapter-bp-predict", "adapter-bp")  # predict first
+    assert [m for m in REGISTRY if loca_like(m)] == ["loca", "loca-abs"] and loca_like("loca@x")
+    assert not loca_like("sgd") and get_method("loca@x").run is REGISTRY["loca"].run
+    with pytest.raises(ValueError, match="unknown method 'sgd'"):
+        get_method("sgd")
+    # one flag group per settings class a method names, in the methods' order
+    assert [(o.prefix, o.title) for o in baseline_options()] == [
+        ("lora", "LoRA"),
+        ("adapter-bp", "Adapter-BP"),
+        ("mezo", "Adapter-MeZO"),
+        ("full-mezo", "full MeZO"),
+    ]
+    configs = method_configs(build_parser().parse_args(["compare", "--out", "x"]))  # the defaults
+    assert configs.of(REGISTRY["lora"].options) == LoraSettings()
+    assert set(configs.to_dict()) == {"loca", "lora", "adapter_bp", "adapter_mezo", "mezo"}
 
 
 def _cell(task, seed, method, test_ce, acc=0.5):

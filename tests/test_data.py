@@ -25,9 +25,8 @@ from loca.data import (
     load_task_split,
     load_test,
 )
-from loca.data.sources import hellaswag_clean
 from loca.data.splits import group_ids, load_pool, permutation, shared_with
-from loca.data.tasks import context_keys, passage_keys
+from loca.data.tasks import context_keys, hellaswag_clean, passage_keys
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not present")
@@ -312,6 +311,26 @@ def test_hub_mapping_errors():
         hub_row_to_example("hellaswag", HUB_FIXTURES["hellaswag"][0] | {"label": ""})
     with pytest.raises(ValueError, match="no hub mapping"):
         hub_row_to_example("mine", {})
+
+
+def test_a_task_is_one_record(monkeypatch):
+    """Template, local and hub sources, the hub row mapping and the grouping live on the Task."""
+    from loca.data import HubSpec, Task
+    from loca.data.sources import has_split
+    from loca.data.tasks import CONTEXT, PASSAGE
+
+    assert TASKS["boolq"].group_by is PASSAGE and TASKS["hellaswag"].group_by is CONTEXT
+    assert TASKS["boolq"].describe()["group_by"] == "passage" and TASKS["sst2"].group_name is None
+    assert replace(TASKS["sst2"], group_by="context").group_by is CONTEXT  # a grouping by name
+    monkeypatch.delenv("LOCA_DATA_DIR", raising=False)
+
+    def row_to_item(row, split, index):
+        return Example(question=row["q"], choices=("a", "b"), label=0, id=f"mine-{split}-{index}")
+
+    mine = Task(name="mine", template="{question}", hub=HubSpec("me/mine", to_example=row_to_item))
+    assert hub_row_to_example(mine, {"q": "x"}, "validation", 3) == row_to_item({"q": "x"}, "validation", 3)
+    assert has_split(mine, "train") and has_split(mine, "validation")
+    assert not has_split(replace(mine, hub=replace(mine.hub, train_split=None)), "train")
 
 
 def test_offline_without_local_data_says_where_it_looked(tmp_path, monkeypatch):

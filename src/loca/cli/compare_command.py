@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..baselines.adapter_bp import AdapterBpSettings
-from ..baselines.lora import LoraSettings
-from ..baselines.mezo import MezoSettings
 from ..compare import CompareSettings, MethodConfigs, run_compare
+from ..compare.methods import LOCA, baseline_options
 from ..compare.report import write_report
 from ..compare.store import CellStore
 from ..infra import distributed
@@ -34,17 +32,10 @@ from .args import (
     add_output_args,
     config_from_args,
     dataclass_from_args,
+    given_loca_flags,
     model_config_from_args,
     resolve_data_dir,
 )
-
-# The seed of every method comes from --seeds, MeZO's time budget from --mezo-time-budget and
-# Adapter-MeZO's adapter rank from --rank (it perturbs the same adapters LoCA fits).
-_MEZO_SKIP = ("seed", "time_budget_s", "rank")
-# Adapter-BP trains LoCA's adapters: rank and A from the LoCA flags; the credit from the method
-# name (adapter-bp: all positions, adapter-bp-predict: the predict positions). LoRA's `select` is
-# off only in the lora-paper method.
-_ADAPTER_BP_SKIP = ("seed", "rank", "a_init", "credit")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,12 +46,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-only", action="store_true",
                    help="only redraw results/tables/plots from the cells stored in --out")
     add_dataclass_args(p, CompareSettings, title="comparison")
-    add_config_args(p, skip=("seed",))
-    add_dataclass_args(p, LoraSettings, title="LoRA", prefix="lora", skip=("seed", "select"))
-    add_dataclass_args(p, AdapterBpSettings, title="Adapter-BP", prefix="adapter-bp", skip=_ADAPTER_BP_SKIP)
-    add_dataclass_args(p, MezoSettings, title="Adapter-MeZO", prefix="mezo", skip=_MEZO_SKIP)
-    add_dataclass_args(p, MezoSettings, title="full MeZO", prefix="full-mezo", skip=_MEZO_SKIP)
+    add_config_args(p, skip=LOCA.skip)
+    for o in baseline_options():  # the methods' settings (compare.methods.REGISTRY)
+        add_dataclass_args(p, o.cls, title=o.title, prefix=o.prefix, skip=o.skip)
     add_output_args(p)
+
+
+def method_configs(args: argparse.Namespace) -> MethodConfigs:
+    """Every method's settings from the flags."""
+    return MethodConfigs(
+        loca=config_from_args(args),
+        baselines={o.key: dataclass_from_args(o.cls, args, o.prefix) for o in baseline_options()},
+        loca_flags=frozenset(given_loca_flags(args)),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,13 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if distributed.is_main():
         prepare_run_dir(args.out, "compare", model=model.model, resumable=True)
     distributed.barrier()
-    configs = MethodConfigs(
-        loca=config_from_args(args),
-        lora=dataclass_from_args(LoraSettings, args, "lora"),
-        adapter_mezo=dataclass_from_args(MezoSettings, args, "mezo"),
-        mezo=dataclass_from_args(MezoSettings, args, "full-mezo"),
-        adapter_bp=dataclass_from_args(AdapterBpSettings, args, "adapter-bp"),
-    )
+    configs = method_configs(args)
     report = run_compare(
         settings, configs, model=model, out=args.out, data_dir=resolve_data_dir(args.data_dir),
     )  # fmt: skip

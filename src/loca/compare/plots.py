@@ -7,13 +7,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..infra.plotting import panel_grid, plt
-from .methods import METHODS
+from .methods import METHODS, REGISTRY
 
 # LoCA variants take C5–C9 (write_plots)
-COLORS = {
-    "frozen": "0.4", "lora": "C0", "adapter-mezo": "C2", "loca": "C3", "mezo": "C4", "loca-abs": "C1",
-    "lora-paper": "navy", "adapter-bp": "darkred", "adapter-bp-predict": "lightcoral",
-}  # fmt: skip
+COLORS = {m.name: m.color for m in REGISTRY.values()}
 FILES = ("heldout_vs_time.png", "heldout_vs_steps.png", "accuracy.png")
 
 

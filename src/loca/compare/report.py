@@ -19,14 +19,10 @@ from pathlib import Path
 
 from ..eval.metrics import RECOVERY_FLAG, recovery_acc, recovery_ce
 from ..infra.io import atomic_write_json, atomic_write_text
-from .methods import CEILINGS, METHODS
+from .methods import CEILINGS, METHODS, REGISTRY, VARIANT, lookup
 from .store import jsonable
 
-LABELS = {
-    "frozen": "Frozen", "lora": "LoRA", "adapter-mezo": "Adapter-MeZO", "loca": "LoCA", "mezo": "MeZO",
-    "loca-abs": "LoCA (abs η)", "lora-paper": "LoRA (paper)", "adapter-bp": "Adapter-BP",
-    "adapter-bp-predict": "Adapter-BP (predict)",
-}  # fmt: skip
+LABELS = {m.name: m.label for m in REGISTRY.values()}
 METRICS = ("test_ce", "test_ce_no_eos", "acc", "acc_norm")
 COLUMNS = [
     "model", "device", "task", "seed", "method", "n_train", "n_heldout", "n_test",
@@ -40,7 +36,8 @@ COLUMNS = [
 
 def loca_like(method: str) -> bool:
     """LoCA, LoCA with absolute η, or a LoCA variant: the methods that get an R_ceiling."""
-    return method in ("loca", "loca-abs") or method.startswith("loca@")
+    record = lookup(method)
+    return record is not None and record.r_ceiling
 
 
 def rows_from_cells(cells: list[dict]) -> list[dict]:
@@ -82,14 +79,14 @@ def rows_from_cells(cells: list[dict]) -> list[dict]:
 
 def _order(method: str) -> float:
     """METHODS order; a LoCA variant (loca@NAME) right after LoCA."""
-    if method.startswith("loca@"):
+    if method.startswith(VARIANT):
         return METHODS.index("loca") + 0.5
     return METHODS.index(method) if method in METHODS else len(METHODS)
 
 
 def variants(rows: list[dict]) -> list[str]:
     """LoCA and its variants present in ``rows``, LoCA first."""
-    names = sorted({r["method"] for r in rows if r["method"].startswith("loca@")})
+    names = sorted({r["method"] for r in rows if r["method"].startswith(VARIANT)})
     return (["loca"] if any(r["method"] == "loca" for r in rows) else []) + names
 
 

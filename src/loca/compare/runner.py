@@ -11,10 +11,9 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..baselines.adapter_bp import AdapterBpSettings
 from ..config import PRESETS, DataConfig, LocaConfig, ModelConfig, option
 from ..data import get_task, make_batches
 from ..infra import distributed
@@ -23,24 +22,11 @@ from ..infra.memory import PeakMemory
 from ..infra.versions import versions
 from ..models.parts import clamp_max_length, find_parts, fingerprint, load_model
 from ..pipeline import Pipeline
-from .methods import (
-    METHODS,
-    CellData,
-    run_adapter_bp,
-    run_adapter_mezo,
-    run_frozen,
-    run_loca,
-    run_lora,
-    run_mezo,
-)
+from .methods import DEFAULT_METHODS, METHODS, VARIANT, CellData, Context, MethodConfigs, get_method
 from .report import write_report
 from .store import CellStore, digest
 
 DEFAULT_TASKS = ["sst2", "boolq", "arc_easy", "obqa", "hellaswag"]
-DEFAULT_METHODS = ["frozen", "lora", "adapter-mezo", "loca"]
-# lora-paper: the paper's LoRA protocol (one lr, 3 epochs, no selection: the last iterate); the
-# other LoRA settings (rank, alpha, modules, clipping, evaluation points) are --lora-*'s.
-LORA_PAPER = {"lrs": [2e-4], "epochs": 3, "select": False}
 
 
 @dataclass
@@ -65,8 +51,9 @@ class CompareSettings:
     loca_variants: str = option(
         "",
         "extra LoCA configurations, each run as method loca@NAME: a JSON object "
-        '{"NAME": {"preset": "paper", "beta_rel": 1.0, ...}} (LoCA flags with an optional preset '
-        "applied on top of this run's LoCA flags) or the path of a file holding one",
+        '{"NAME": {"preset": "paper", "beta_rel": 1.0, ...}} (LoCA settings with an optional preset; '
+        "from the strongest: the variant's settings, this run's LoCA flags, the variant's preset, "
+        "this run's --preset and --config) or the path of a file holding one",
     )
 
     def __post_init__(self) -> None:
@@ -122,21 +109,6 @@ class CompareSettings:
         return variants
 
 
-@dataclass
-class MethodConfigs:
-    """The hyper-parameters of each method (LoRA, Adapter-BP and MeZO settings from
-    :mod:`loca.baselines`)."""
-
-    loca: LocaConfig
-    lora: object
-    adapter_mezo: object
-    mezo: object
-    adapter_bp: AdapterBpSettings = field(default_factory=AdapterBpSettings)
-
-
-VARIANT = "loca@"
-
-
 def _ordered(methods: list[str], variants: dict) -> list[str]:
     """Frozen first (every recovery ratio needs it), LoRA next, LoCA and its variants before the
     MeZO methods (their 'auto' time budget is LoCA's wall time), in :data:`METHODS`' order."""
@@ -187,10 +159,7 @@ def run_compare(
     if main:
         atomic_write_json(out / "config.json", {
             "command": "compare", "model": model.to_dict(), "data_dir": data_dir, "device": str(parts.device),
-            "settings": asdict(settings), "loca": configs.loca.to_dict(), "lora": configs.lora.to_dict(),
-            "adapter_mezo": configs.adapter_mezo.to_dict(), "mezo": configs.mezo.to_dict(),
-            "adapter_bp": configs.adapter_bp.to_dict(), **base,
-            "world_size": distributed.world_size(),
+            "settings": asdict(settings), **configs.to_dict(), **base, "world_size": distributed.world_size(),
         })  # fmt: skip
     counts = {"reused": 0, "run": 0}
     for task in tasks:
@@ -252,36 +221,7 @@ def _close(a: float, b: float) -> bool:
 def _method_config(method: str, configs: MethodConfigs, s: CompareSettings, seed: int,
                    loca_wall: float | None) -> dict:  # fmt: skip
     """The resolved configuration of one method in one cell (part of its key)."""
-    if method == "frozen":
-        return {}
-    if method == "loca":
-        return replace(configs.loca, seed=seed).to_dict()
-    if method == "loca-abs":
-        return replace(configs.loca, seed=seed, step_scale="absolute", etas=list(s.loca_abs_etas)).to_dict()
-    if method.startswith(VARIANT):
-        over = dict(s.variants()[method.removeprefix(VARIANT)])
-        preset = PRESETS[over.pop("preset", "default")]
-        return LocaConfig(**{**configs.loca.to_dict(), **preset, **over, "seed": seed}).to_dict()
-    if method in ("lora", "lora-paper"):
-        cfg = replace(configs.lora, seed=seed, **(LORA_PAPER if method == "lora-paper" else {})).to_dict()
-        if cfg["select"]:
-            del cfg["select"]  # the default: the keys of LoRA cells stored before the field existed match
-        return cfg
-    if method in ("adapter-bp", "adapter-bp-predict"):  # LoCA's adapters: its rank and A
-        credit = "predict" if method == "adapter-bp-predict" else "all"
-        return replace(configs.adapter_bp, seed=seed, rank=configs.loca.rank, a_init=configs.loca.a_init,
-                       credit=credit).to_dict()  # fmt: skip
-    budget: float | None
-    if s.mezo_time_budget == "none":
-        budget = None
-    elif s.mezo_time_budget == "auto":
-        budget = loca_wall  # None when LoCA is not in the comparison: the step budget alone
-    else:
-        budget = float(s.mezo_time_budget)
-    if method == "adapter-mezo":  # the same adapters as LoCA's
-        cfg = replace(configs.adapter_mezo, seed=seed, time_budget_s=budget, rank=configs.loca.rank)
-        return cfg.to_dict()
-    return replace(configs.mezo, seed=seed, time_budget_s=budget).to_dict()
+    return get_method(method).config(Context(configs, s, seed, loca_wall))
 
 
 def _prepare(pipeline: Pipeline, s: CompareSettings) -> CellData:
@@ -297,23 +237,10 @@ def _prepare(pipeline: Pipeline, s: CompareSettings) -> CellData:
 
 
 def _run_cell(data: CellData, method: str, mcfg: dict) -> dict:
-    from ..baselines.lora import LoraSettings
-    from ..baselines.mezo import MezoSettings
-
+    record = get_method(method)
     start = time.perf_counter()
     with PeakMemory(data.parts.device) as mem:
-        if method == "frozen":
-            result, cleanup = run_frozen(data)
-        elif method in ("loca", "loca-abs") or method.startswith(VARIANT):
-            result, cleanup = run_loca(data, LocaConfig.from_dict(mcfg), method)
-        elif method in ("lora", "lora-paper"):
-            result, cleanup = run_lora(data, LoraSettings(**mcfg), method)
-        elif method in ("adapter-bp", "adapter-bp-predict"):
-            result, cleanup = run_adapter_bp(data, AdapterBpSettings(**mcfg), method)
-        elif method == "adapter-mezo":
-            result, cleanup = run_adapter_mezo(data, MezoSettings(**mcfg))
-        else:
-            result, cleanup = run_mezo(data, MezoSettings(**mcfg))
+        result, cleanup = record.run(data, record.settings(mcfg), method)
     try:
         t0 = time.perf_counter()
         test = data.pipeline.evaluate()  # the test split, with the run's max_length, batch and EOS

@@ -11,7 +11,7 @@ from .sources import (
     load_task_split,
 )
 from .splits import Splits, degenerate_warnings, load_splits, load_test
-from .tasks import TASKS, HubSpec, Task, TemplateError, get_task
+from .tasks import TASKS, Grouping, HubSpec, Task, TemplateError, get_task
 
 __all__ = [
     "TASKS",
@@ -20,6 +20,7 @@ __all__ = [
     "DataNotFoundError",
     "Encoded",
     "Example",
+    "Grouping",
     "HubSpec",
     "Splits",
     "Task",

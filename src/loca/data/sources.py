@@ -9,19 +9,20 @@ Local files use the schema of ``shared/data`` (one JSON object per line)::
 object, a missing or unknown key, a wrong type, an empty string, a label out of range, a
 duplicate id -- raises :class:`DataError` naming the file and line. Nothing is dropped silently.
 
-Hub rows are mapped to the same schema by pure functions (:func:`hub_row_to_example`), so a hub
-row and the corresponding local line give identical :class:`Example` objects.
+Hub rows are mapped to the same schema by each task's pure function (``task.hub.to_example``, see
+:mod:`loca.data.tasks`; :func:`hub_row_to_example`), so a hub row and the corresponding local line
+give identical :class:`Example` objects.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from .schema import Example
-from .tasks import Task
+from .tasks import TASKS, Task
 
 DATA_DIR_ENV = "LOCA_DATA_DIR"
 PARQUET_REVISION = "refs/convert/parquet"
@@ -128,103 +129,20 @@ def load_local(path: str | Path) -> list[Example]:
     return examples
 
 
-# --- hub rows -> Example (pure functions) ----------------------------------------------------
-
-
-def hellaswag_clean(text: str) -> str:
-    """Remove WikiHow markup exactly as the llama.cpp dump behind ``shared/data/hellaswag`` did.
-
-    ``[header]``, ``[step]``, ``[substeps]`` are dropped, ``" [title]"`` becomes ``". "`` (other
-    ``[title]`` forms are dropped), double spaces become single (one pass) and one leading and one
-    trailing space are removed. Unlike the lm-evaluation-harness, other bracketed text is kept.
-    """
-    for old, new in (
-        ("[header]", ""),
-        ("[step]", ""),
-        ("[substeps]", ""),
-        (" [title]", ". "),
-        ("[title] ", ""),
-        ("[title].", ""),
-        ("  ", " "),
-    ):
-        text = text.replace(old, new)
-    if text.startswith(" "):
-        text = text[1:]
-    if text.endswith(" "):
-        text = text[:-1]
-    return text
-
-
-def _lettered(row: Mapping) -> tuple[tuple[str, ...], int]:
-    texts, keys = list(row["choices"]["text"]), list(row["choices"]["label"])
-    if row["answerKey"] not in keys:
-        raise ValueError(f"answerKey {row['answerKey']!r} is not one of the choice labels {keys}")
-    return tuple(texts), keys.index(row["answerKey"])
-
-
-def _sst2(row: Mapping, split: str, index: int) -> Example:
-    idx = row.get("idx", index)
-    return Example(
-        question=row["sentence"],
-        choices=("negative", "positive"),
-        label=int(row["label"]),
-        id=f"sst2-{split}-{idx}",
-    )
-
-
-def _boolq(row: Mapping, split: str, index: int) -> Example:
-    return Example(
-        question=row["question"],
-        passage=row["passage"],
-        choices=("no", "yes"),
-        label=int(bool(row["answer"])),
-        id=f"boolq-{split}-{index}",
-    )
-
-
-def _arc(row: Mapping, split: str, index: int) -> Example:
-    choices, label = _lettered(row)
-    return Example(question=row["question"], choices=choices, label=label, id=row["id"])
-
-
-def _obqa(row: Mapping, split: str, index: int) -> Example:
-    choices, label = _lettered(row)
-    return Example(question=row["question_stem"], choices=choices, label=label, id=row["id"])
-
-
-def _hellaswag(row: Mapping, split: str, index: int) -> Example:
-    if row["label"] in ("", None):
-        raise ValueError("unlabelled row (the HellaSwag test split has no labels)")
-    return Example(
-        question=hellaswag_clean(row["ctx"]),
-        choices=tuple(hellaswag_clean(e) for e in row["endings"]),
-        label=int(row["label"]),
-        id=f"hellaswag-{split}-{index}",
-    )
-
-
-HUB_MAPPERS: dict[str, Callable[[Mapping, str, int], Example]] = {
-    "sst2": _sst2,
-    "boolq": _boolq,
-    "arc_easy": _arc,
-    "arc_challenge": _arc,
-    "obqa": _obqa,
-    "hellaswag": _hellaswag,
-}
-
-
 def hub_row_to_example(
     task: Task | str, row: Mapping, split: str = "validation", index: int = 0
 ) -> Example:
-    """Map one hub row of a registry task to the shared schema.
+    """Map one hub row of a task (a registry name, or a task with a hub source) to the shared schema.
 
     ``split`` is the *local* split name and ``index`` the row's position in its split; both only
     build ids for tasks whose source has none (``<task>-<split>-<index>``, as in ``shared/data``).
     """
     name = task if isinstance(task, str) else task.name
-    if name not in HUB_MAPPERS:
-        raise ValueError(f"task {name!r} has no hub mapping; hub tasks: {', '.join(HUB_MAPPERS)}")
-    return HUB_MAPPERS[name](row, split, index)
+    found = TASKS.get(task) if isinstance(task, str) else task
+    if found is None or found.hub is None:
+        hub_tasks = ", ".join(t.name for t in TASKS.values() if t.hub is not None)
+        raise ValueError(f"task {name!r} has no hub mapping; hub tasks: {hub_tasks}")
+    return found.hub.to_example(row, split, index)
 
 
 # --- resolving a task's split ----------------------------------------------------------------
@@ -278,7 +196,7 @@ def has_split(task: Task, split: str | None, data_dir: str | Path | None = None)
     return (
         task.hub is not None
         and split in (task.train_split, task.validation_split)
-        and (split != task.train_split or task.hub_train_split is not None)
+        and (split != task.train_split or task.hub.train_split is not None)
     )
 
 
@@ -330,11 +248,11 @@ def load_task_split(task: Task, split: str, data_dir: str | Path | None = None) 
 def load_hub_split(task: Task, split: str, looked_at: str = "") -> list[Example]:
     """Load a split from the hub (``split`` is the local split name; it is mapped to the hub's)."""
     where = f"looked locally at: {looked_at}" if looked_at else ""
-    if task.hub is None or task.name not in HUB_MAPPERS:
+    if task.hub is None:
         raise DataNotFoundError(f"task {task.name!r} has no hub source; {where}")
     hub_split = {
-        task.train_split: task.hub_train_split,
-        task.validation_split: task.hub_validation_split,
+        task.train_split: task.hub.train_split,
+        task.validation_split: task.hub.validation_split,
     }.get(split, split)
     if hub_split is None:
         raise DataNotFoundError(f"task {task.name!r} has no hub split for {split!r}")

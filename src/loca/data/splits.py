@@ -8,7 +8,7 @@ Policy (see ``docs/tasks.md``):
   (:data:`PARTITION_TEST_FRACTION` of the items go to the test part). The partition does not
   depend on the run's seed or sizes, so every run of a task sees the same test part.
 - **Groups**: a task with ``group_by`` (BoolQ: the passage, HellaSwag: the source context, see
-  :data:`loca.data.tasks.GROUPINGS`) is partitioned by group, not by item: the groups are
+  :class:`loca.data.tasks.Grouping`) is partitioned by group, not by item: the groups are
   permuted and whole groups go to the test part until it holds the test fraction, so no test
   passage is ever in the train pool. Without ``group_by`` every item is its own group, which is
   exactly the item partition.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .schema import Example
 from .sources import describe_source, has_split, load_task_split
-from .tasks import GROUPINGS, Task, get_task
+from .tasks import Task, get_task
 
 DEFAULT_N_TRAIN = 256
 DEFAULT_N_HELDOUT = 128
@@ -55,13 +55,13 @@ def permutation(n: int, seed: int, purpose: str) -> list[int]:
 def group_ids(task: Task, examples: list[Example]) -> list[int] | None:
     """The group of each example under ``task.group_by`` (None when the task is not grouped).
 
-    Examples that share a link key of :data:`loca.data.tasks.GROUPINGS` ``[task.group_by]``,
+    Examples that share a link key of the task's grouping (``task.group_by.keys``),
     directly or through other examples, are one group. Groups are numbered 0, 1, ... in order of
     their first example, so the numbering does not depend on anything but the examples' order.
     """
     if task.group_by is None:
         return None
-    keys_of = GROUPINGS[task.group_by]
+    keys_of = task.group_by.keys
     parent = list(range(len(examples)))
 
     def root(i: int) -> int:
@@ -187,7 +187,7 @@ def _pools(task: Task, data_dir: str | Path | None) -> _Pools:
         "test_fraction": PARTITION_TEST_FRACTION,
         "pool_size": len(pool_idx),
         "test_size": len(test_idx),
-        "group_by": task.group_by,
+        "group_by": task.group_name,
         "n_groups": len(members) if groups is not None else None,
         "pool_groups": len({groups[i] for i in pool_idx}) if groups is not None else None,
         "test_groups": len({groups[i] for i in test_idx}) if groups is not None else None,
@@ -327,7 +327,7 @@ def load_splits(
         raise ValueError(
             f"task {task.name!r}: n_train = {n_train} exceeds the {len(candidates)} examples of the "
             f"train pool ({size} examples of split {pools.pool_split!r}) that share no "
-            f"{task.group_by!r} group with the {n_heldout} held-out examples"
+            f"{task.group_name!r} group with the {n_heldout} held-out examples"
         )
     train_pos = candidates[:n_train]
     chosen, test_record = _select_test(task, pools, n_test, seed)
@@ -344,7 +344,7 @@ def load_splits(
         "pool": {
             "split": pools.pool_split,
             "size": size,
-            "group_by": task.group_by,
+            "group_by": task.group_name,
             "n_groups": None if pools.pool_groups is None else len(set(pools.pool_groups)),
         },
         "train": part(train_pos),

@@ -1,4 +1,7 @@
-"""Tasks as data: a prompt template, where the items come from, and which splits play which role.
+"""Tasks as data, one :class:`Task` record each in :data:`TASKS` (like lm-evaluation-harness's task
+YAMLs): the prompt template, where the items come from (the local folder and split files, the hub
+dataset and splits with the pure function that maps a hub row to an item), which splits play which
+role, and which items must stay together in a partition (the grouping).
 
 Every task is a multiple-choice item ``{question, passage?, choices[], label}`` (see
 :class:`~loca.data.schema.Example`). The prompt is the task's template with ``{question}`` and
@@ -15,8 +18,8 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .schema import Example
@@ -102,20 +105,35 @@ def context_keys(ex: Example) -> set[str]:
     return text_keys(ex.question) | sentence_keys(completed)
 
 
-#: ``Task.group_by`` names one of these. Each maps an item to link keys; items sharing a key, directly
-#: or through other items, form one group (see :func:`loca.data.splits.group_ids`).
-GROUPINGS: dict[str, Callable[[Example], set[str]]] = {
-    "passage": passage_keys,
-    "context": context_keys,
-}
+@dataclass(frozen=True)
+class Grouping:
+    """Which items must stay on the same side of a partition: ``keys`` maps an item to link keys;
+    items sharing a key, directly or through other items, form one group (see
+    :func:`loca.data.splits.group_ids`). ``name`` is what split records store."""
+
+    name: str
+    keys: Callable[[Example], set[str]]
+
+
+PASSAGE = Grouping("passage", passage_keys)
+CONTEXT = Grouping("context", context_keys)
+#: The groupings a task's ``group_by`` may name.
+GROUPINGS: dict[str, Grouping] = {g.name: g for g in (PASSAGE, CONTEXT)}
 
 
 @dataclass(frozen=True)
 class HubSpec:
-    """Where a task lives on the Hugging Face hub: ``datasets.load_dataset(path, name)``."""
+    """Where a task lives on the Hugging Face hub (``datasets.load_dataset(path, name)``), which hub
+    splits serve as the task's train and validation splits (``train_split=None``: none), and how one
+    hub row becomes an :class:`Example`: ``to_example(row, split, index)``, a pure function, where
+    ``split`` is the *local* split name and ``index`` the row's position in its split (both only
+    build ids for sources without their own: ``<task>-<split>-<index>``, as in ``shared/data``)."""
 
     path: str
     name: str | None = None
+    to_example: Callable[[Mapping, str, int], Example] = field(kw_only=True)
+    train_split: str | None = "train"
+    validation_split: str = "validation"
 
     def __str__(self) -> str:
         return f"{self.path}" + (f" ({self.name})" if self.name else "")
@@ -127,13 +145,13 @@ class Task:
 
     ``folder`` is the task's folder under a data directory (``<data_dir>/<folder>/<split>.jsonl``);
     ``train_split``/``validation_split`` name the local files that serve as the train pool and
-    the official validation split (the test set), ``hub_train_split``/``hub_validation_split`` the
-    same on the hub. ``train_split=None`` means there is no train split: the validation split is
+    the official validation split (the test set); ``hub`` says the same for the hub and how its
+    rows map to items. ``train_split=None`` means there is no train split: the validation split is
     partitioned (see :mod:`loca.data.splits`). ``path`` is set for user tasks: a JSON Lines file
-    (its only split, used as validation) or a folder of ``<split>.jsonl`` files. ``group_by``
-    names a grouping in :data:`GROUPINGS`: items of one group (the same passage, the same source
-    video) are never split between the test part and the train pool, nor between train and
-    held-out.
+    (its only split, used as validation) or a folder of ``<split>.jsonl`` files. ``group_by`` is
+    the task's :class:`Grouping` (or the name of one in :data:`GROUPINGS`): items of one group
+    (the same passage, the same source video) are never split between the test part and the train
+    pool, nor between train and held-out.
     """
 
     name: str
@@ -143,19 +161,24 @@ class Task:
     hub: HubSpec | None = None
     train_split: str | None = "train"
     validation_split: str = "validation"
-    hub_train_split: str | None = "train"
-    hub_validation_split: str = "validation"
     add_eos: bool = True
     path: str | None = None
     sample: Example | None = None  # a fixed item for ``loca tasks --show`` and the docs
-    group_by: str | None = None
+    group_by: Grouping | str | None = None  # a name: the Grouping of that name in GROUPINGS
 
     def __post_init__(self) -> None:
         check_template(self.template)
-        if self.group_by is not None and self.group_by not in GROUPINGS:
-            raise ValueError(
-                f"task {self.name!r}: unknown group_by {self.group_by!r}; known: {', '.join(GROUPINGS)}"
-            )
+        if isinstance(self.group_by, str):
+            if self.group_by not in GROUPINGS:
+                raise ValueError(
+                    f"task {self.name!r}: unknown group_by {self.group_by!r}; known: {', '.join(GROUPINGS)}"
+                )
+            object.__setattr__(self, "group_by", GROUPINGS[self.group_by])
+
+    @property
+    def group_name(self) -> str | None:
+        """The grouping's name (what split records store), None when ungrouped."""
+        return None if self.group_by is None else self.group_by.name
 
     @property
     def uses_passage(self) -> bool:
@@ -197,8 +220,83 @@ class Task:
             "validation_split": self.validation_split,
             "add_eos": self.add_eos,
             "path": self.path,
-            "group_by": self.group_by,
+            "group_by": self.group_name,
         }
+
+
+# --- hub rows -> Example (pure functions) ----------------------------------------------------
+
+
+def hellaswag_clean(text: str) -> str:
+    """Remove WikiHow markup exactly as the llama.cpp dump behind ``shared/data/hellaswag`` did.
+
+    ``[header]``, ``[step]``, ``[substeps]`` are dropped, ``" [title]"`` becomes ``". "`` (other
+    ``[title]`` forms are dropped), double spaces become single (one pass) and one leading and one
+    trailing space are removed. Unlike the lm-evaluation-harness, other bracketed text is kept.
+    """
+    for old, new in (
+        ("[header]", ""),
+        ("[step]", ""),
+        ("[substeps]", ""),
+        (" [title]", ". "),
+        ("[title] ", ""),
+        ("[title].", ""),
+        ("  ", " "),
+    ):
+        text = text.replace(old, new)
+    if text.startswith(" "):
+        text = text[1:]
+    if text.endswith(" "):
+        text = text[:-1]
+    return text
+
+
+def _lettered(row: Mapping) -> tuple[tuple[str, ...], int]:
+    texts, keys = list(row["choices"]["text"]), list(row["choices"]["label"])
+    if row["answerKey"] not in keys:
+        raise ValueError(f"answerKey {row['answerKey']!r} is not one of the choice labels {keys}")
+    return tuple(texts), keys.index(row["answerKey"])
+
+
+def _sst2(row: Mapping, split: str, index: int) -> Example:
+    idx = row.get("idx", index)
+    return Example(
+        question=row["sentence"],
+        choices=("negative", "positive"),
+        label=int(row["label"]),
+        id=f"sst2-{split}-{idx}",
+    )
+
+
+def _boolq(row: Mapping, split: str, index: int) -> Example:
+    return Example(
+        question=row["question"],
+        passage=row["passage"],
+        choices=("no", "yes"),
+        label=int(bool(row["answer"])),
+        id=f"boolq-{split}-{index}",
+    )
+
+
+def _arc(row: Mapping, split: str, index: int) -> Example:
+    choices, label = _lettered(row)
+    return Example(question=row["question"], choices=choices, label=label, id=row["id"])
+
+
+def _obqa(row: Mapping, split: str, index: int) -> Example:
+    choices, label = _lettered(row)
+    return Example(question=row["question_stem"], choices=choices, label=label, id=row["id"])
+
+
+def _hellaswag(row: Mapping, split: str, index: int) -> Example:
+    if row["label"] in ("", None):
+        raise ValueError("unlabelled row (the HellaSwag test split has no labels)")
+    return Example(
+        question=hellaswag_clean(row["ctx"]),
+        choices=tuple(hellaswag_clean(e) for e in row["endings"]),
+        label=int(row["label"]),
+        id=f"hellaswag-{split}-{index}",
+    )
 
 
 _ARC_TEMPLATE = "Question: {question}\nAnswer:"
@@ -211,7 +309,7 @@ TASKS: dict[str, Task] = {
             template="Review: {question}\nSentiment (positive or negative):",
             description="GLUE SST-2 movie-review sentiment; choices negative/positive",
             folder="sst2",
-            hub=HubSpec("nyu-mll/glue", "sst2"),
+            hub=HubSpec("nyu-mll/glue", "sst2", to_example=_sst2),
             sample=Example(
                 question="it 's a charming and often affecting journey . ",
                 choices=("negative", "positive"),
@@ -225,8 +323,8 @@ TASKS: dict[str, Task] = {
             description="BoolQ yes/no questions about a Wikipedia passage; choices no/yes "
             "(no train split offline: validation is partitioned)",
             folder="boolq",
-            hub=HubSpec("google/boolq"),
-            group_by="passage",
+            hub=HubSpec("google/boolq", to_example=_boolq),
+            group_by=PASSAGE,
             sample=Example(
                 question="is windows movie maker part of windows essentials",
                 passage="Windows Movie Maker is a discontinued video editing program by Microsoft.",
@@ -240,7 +338,7 @@ TASKS: dict[str, Task] = {
             template=_ARC_TEMPLATE,
             description="AI2 Reasoning Challenge, Easy set; 3-5 answer texts",
             folder="arc_easy",
-            hub=HubSpec("allenai/ai2_arc", "ARC-Easy"),
+            hub=HubSpec("allenai/ai2_arc", "ARC-Easy", to_example=_arc),
             sample=Example(
                 question="Which technology was developed most recently?",
                 choices=("cellular telephone", "television", "refrigerator", "airplane"),
@@ -254,7 +352,7 @@ TASKS: dict[str, Task] = {
             description="AI2 Reasoning Challenge, Challenge set; 3-5 answer texts (hub only "
             "unless a local arc_challenge/ folder is supplied)",
             folder="arc_challenge",
-            hub=HubSpec("allenai/ai2_arc", "ARC-Challenge"),
+            hub=HubSpec("allenai/ai2_arc", "ARC-Challenge", to_example=_arc),
             sample=Example(
                 question="Which property of a mineral can be determined just by looking at it?",
                 choices=("luster", "mass", "weight", "hardness"),
@@ -267,7 +365,7 @@ TASKS: dict[str, Task] = {
             template="{question}",
             description="OpenBookQA (main): the question stem is continued by one of 4 answers",
             folder="obqa",
-            hub=HubSpec("allenai/openbookqa", "main"),
+            hub=HubSpec("allenai/openbookqa", "main", to_example=_obqa),
             sample=Example(
                 question="Gas can fill any container it is given, and liquid",
                 choices=(
@@ -286,8 +384,8 @@ TASKS: dict[str, Task] = {
             description="HellaSwag: a context continued by one of 4 endings (no train split "
             "offline: validation is partitioned; WikiHow markup removed)",
             folder="hellaswag",
-            hub=HubSpec("Rowan/hellaswag"),
-            group_by="context",
+            hub=HubSpec("Rowan/hellaswag", to_example=_hellaswag),
+            group_by=CONTEXT,
             sample=Example(
                 question="A man is sitting on a roof. he",
                 choices=(
@@ -333,7 +431,6 @@ def user_task(path: str | Path, template: str, name: str | None = None) -> Task:
         description=f"user task from file {p}",
         train_split=None,
         validation_split=p.stem,
-        hub_train_split=None,
         path=str(p),
     )
 
