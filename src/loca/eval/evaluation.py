@@ -27,7 +27,6 @@ def position_losses(parts: ModelParts, batch: Batch) -> torch.Tensor:
     return loss
 
 
-@torch.inference_mode()
 class Replays(Protocol):
     """Captured per-batch passes (:class:`loca.method.graphs.BatchGraphs`): ``run(index, fn)``
     returns ``fn(batch index)``'s outputs from its replayed graph."""
@@ -35,6 +34,7 @@ class Replays(Protocol):
     def run(self, index: int, fn, key=()) -> tuple: ...
 
 
+@torch.inference_mode()
 def completion_ce(parts: ModelParts, batches: Sequence[Batch], graphs: Replays | None = None) -> TokenCE:
     """Mean per-token CE over the completion tokens of ``batches`` (EOS included and excluded).
     ``graphs``: CUDA graphs made for these ``batches`` (:class:`loca.method.graphs.BatchGraphs`).
