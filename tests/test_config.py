@@ -158,10 +158,12 @@ def test_allowed_values_come_from_one_place(cls, f):
 
 def test_allowed_values_agree_with_the_code_that_uses_them():
     """The modules that act on a value know exactly the values the configuration allows."""
-    from loca.method.calibrate import GATES
+    from loca.method.maps import GATES
+    from loca.method.steps import STEP_CONTROLS
     from loca.models.parts import DTYPES as TORCH_DTYPES
 
     assert tuple(GATES) == choices(LocaConfig, "feedback_gate")
+    assert tuple(STEP_CONTROLS) == choices(LocaConfig, "step_control")
     assert tuple(TORCH_DTYPES) == choices(ModelConfig, "dtype")
     assert choices(AdapterBpSettings, "a_init") == choices(LocaConfig, "a_init")
     assert ModelConfig(device_map=None).device_map is None  # an optional choice may stay unset
