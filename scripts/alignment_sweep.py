@@ -1,10 +1,10 @@
 """Sweep the feedback-map ridge, rank and probe size, and measure in-probe vs held-out alignment.
 
 For each task, the probe gradients (head errors E and per-block hidden-state gradients G_l) are
-computed once per probe size with :func:`loca.method.calibrate.probe_gradients`, and once for a fixed
+computed once per probe size with :func:`loca.method.probe.probe_gradients`, and once for a fixed
 held-out probe (``--heldout-positions`` predict positions of the held-out items, seed + 1, as
 :class:`loca.method.calibrate.Calibrator` draws it). The probes are nested: the seeded
-:func:`loca.method.calibrate.select_probe` takes items in one fixed order, so the smaller probe is a prefix
+:func:`loca.method.probe.select_probe` takes items in one fixed order, so the smaller probe is a prefix
 of the larger one and only the extra items of the larger probe need a backward pass. Then every
 (beta_rel, k) is a cheap refit with :func:`loca.core.ridge.feedback_factors`, scored with
 :func:`loca.core.ridge.alignment` on the probe and on the held-out probe.

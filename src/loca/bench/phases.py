@@ -3,7 +3,7 @@
 - ``forward``: a plain inference forward of the causal LM over the training batches, logits
   included, as a user would run it; ``backbone``: the same without the LM head (the floor).
 - ``calibrate``: Stage I (probe forward + backward, ridge fits).
-- ``stage2``: one Stage II step, :func:`loca.method.fit.stage2_pass` with non-zero adapters (on one
+- ``stage2``: one Stage II step, :func:`loca.method.stage2.stage2_pass` with non-zero adapters (on one
   CUDA device through the CUDA graphs a fit uses, captured in the untimed warm-up);
   ``stage2-eager``: the same step without graphs (the two differ only on a GPU).
 - ``full-run``: what ``loca fit`` does before evaluating: calibration, then a fit of

@@ -6,7 +6,7 @@ Example::
         --phases forward,calibrate,stage2,full-run,lora,adapter-mezo --out runs/bench
 
 Phases (see :mod:`loca.bench.phases`): ``forward``, ``backbone``, ``calibrate``, ``stage2`` (one
-Stage II step, :func:`loca.method.fit.stage2_pass`, the very step ``loca fit`` takes), ``stage2-eager``
+Stage II step, :func:`loca.method.stage2.stage2_pass`, the very step ``loca fit`` takes), ``stage2-eager``
 (the same without CUDA graphs), ``full-run`` (calibration + a short fit), ``lora`` (one epoch of
 PEFT LoRA), ``adapter-mezo`` and ``mezo`` (as many SPSA steps). ``--synthetic-length L`` runs on
 random token sequences of exactly L tokens instead of the task's. Interleaved and repeated;
