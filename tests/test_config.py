@@ -8,6 +8,8 @@ import pytest
 from loca.cli.args import add_config_args, config_from_args
 from loca.config import LocaConfig
 
+pytestmark = pytest.mark.unit
+
 
 def test_round_trip_through_json():
     cfg = LocaConfig(rank=8, etas=[0.01], lam_rel=[1e-2, 1e-3], groups=3, add_eos=False)
