@@ -199,10 +199,12 @@ def recovery(
 
 
 def recovery_ce(ce_frozen: float, ce_method: float, ce_lora: float, *, tol: float = RECOVERY_TOL):
-    """``R_CE`` (SPEC §5); None when flagged (see :func:`recovery`)."""
+    """``R_CE``: the share of LoRA's CE gain over the frozen model a method gets; None when flagged
+    (see :func:`recovery`)."""
     return recovery(ce_frozen, ce_method, ce_lora, higher_is_better=False, tol=tol)
 
 
 def recovery_acc(acc_frozen: float, acc_method: float, acc_lora: float, *, tol: float = RECOVERY_TOL):
-    """``R_acc`` (SPEC §5); None when flagged (see :func:`recovery`)."""
+    """``R_acc``: the share of LoRA's accuracy gain over the frozen model a method gets; None when
+    flagged (see :func:`recovery`)."""
     return recovery(acc_frozen, acc_method, acc_lora, higher_is_better=True, tol=tol)
