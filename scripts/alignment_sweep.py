@@ -11,7 +11,7 @@ of the larger one and only the extra items of the larger probe need a backward p
 
 Run from the project root::
 
-    .venv/bin/python scripts/alignment_sweep.py --data-dir ../shared/data \
+    .venv/bin/python scripts/alignment_sweep.py --data-dir data \
         --out docs/results/alignment_sweep.json
 """
 
@@ -51,7 +51,7 @@ SWEEP_KEYS = (
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="loca alias, folder or hub id")
-    p.add_argument("--data-dir", required=True, help="the shared data folder (e.g. ../shared/data)")
+    p.add_argument("--data-dir", required=True, help="the task data folder (docs/tasks.md)")
     p.add_argument("--tasks", nargs="+", default=["arc_easy", "obqa", "hellaswag", "sst2"])
     p.add_argument("--n-train", type=int, default=1000)
     p.add_argument("--n-heldout", type=int, default=250)

@@ -24,7 +24,7 @@ Install (in a separate venv, so the project's torch/transformers pins stay untou
 
 Run from the project root::
 
-    /tmp/lmeval/bin/python scripts/check_lm_eval.py --data-dir ../shared/data \
+    /tmp/lmeval/bin/python scripts/check_lm_eval.py --data-dir data \
         --out docs/results/lm_eval_check.json
 """
 
@@ -48,7 +48,7 @@ TOL_STDERR = 1e-12  # same stderr up to summation order (math.fsum vs sum)
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="loca alias, folder or hub id")
-    p.add_argument("--data-dir", required=True, help="the shared data folder (e.g. ../shared/data)")
+    p.add_argument("--data-dir", required=True, help="the task data folder (docs/tasks.md)")
     p.add_argument("--tasks", nargs="+", default=["sst2", "arc_easy", "hellaswag", "boolq", "obqa"])
     p.add_argument("--n", type=int, default=40, help="test items per task (seeded sample)")
     p.add_argument("--seed", type=int, default=0)

@@ -19,7 +19,7 @@ and (e) the B = 0 probe pooled with the fitted state's (what two calibration rou
 held-out probes: the median over blocks of the per-position alignment and of the alignment of
 the adapter update ``Σ ĝ pᵀ``.
 
-    .venv/bin/python scripts/credit_staleness.py --data-dir ../shared/data --task arc_easy \
+    .venv/bin/python scripts/credit_staleness.py --data-dir data --task arc_easy \
         --out docs/results/credit/staleness_arc_easy.json
 """
 

@@ -10,7 +10,7 @@ Step 2 (``evaluate``): fit each credit variant on the probe rows and score its h
 (Frobenius cosine of predicted vs true gradients, median over blocks) and the alignment of the
 adapter update it implies (``Σ_t ĝ_t p_tᵀ`` vs ``Σ_t g_t p_tᵀ`` with the adapter codes p = A h).
 
-    .venv/bin/python scripts/credit_study.py --data-dir ../shared/data --task arc_easy \
+    .venv/bin/python scripts/credit_study.py --data-dir data --task arc_easy \
         --cache runs/credit/arc_easy.pt --out docs/results/credit_study/arc_easy.json
 """
 

@@ -2,7 +2,7 @@
 runs on the published Qwen2.5 shapes (random bf16 weights, no download), then one table and one
 PNG.
 
-    python scripts/gpu_presets.py --data-dir ../shared/data --out docs/results/bench/gpu-h100-presets
+    python scripts/gpu_presets.py --data-dir data --out docs/results/bench/gpu-h100-presets
 
 Per preset ``P``: ``P-boolq`` (forward, backbone, calibrate, stage2, stage2-eager, full-run, lora)
 and ``P-sst2`` (forward, backbone, stage2, stage2-eager), 128 training sequences in batches of 8,

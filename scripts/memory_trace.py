@@ -1,7 +1,7 @@
 """Where a ``loca bench`` phase's peak GPU memory goes: the allocations live at the peak, summed by
 the source lines (in loca and the model) that made them.
 
-    python scripts/memory_trace.py --model arch:qwen2.5-14b --task boolq --data-dir ../shared/data \
+    python scripts/memory_trace.py --model arch:qwen2.5-14b --task boolq --data-dir data \
         --out docs/results/bench/memory-trace-qwen2.5-14b-boolq.json
 
 Each phase runs once untimed, then once under PyTorch's allocator history

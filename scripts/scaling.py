@@ -1,7 +1,7 @@
 """Time and memory of a Stage II pass against the number of training tokens and the sequence
 length, next to the plain forward: ``loca bench`` runs, one per point, then one PNG.
 
-    python scripts/scaling.py --data-dir ../shared/data --out docs/results/bench/scaling-cpu-smollm2
+    python scripts/scaling.py --data-dir data --out docs/results/bench/scaling-cpu-smollm2
 
 Each point is a ``loca bench --phases forward,stage2`` run (its ``bench.json`` is kept under
 ``OUT/runs``; points already there are reused, so an interrupted sweep resumes).

@@ -1,4 +1,6 @@
-"""Shared fixtures. Tests never reach a model hub; ``slow`` tests run only on request."""
+"""Shared fixtures and collection rules. Tests never reach a model hub; ``slow`` tests run only on
+request; every test is marked either ``unit`` or ``integration`` (pyproject.toml says which is
+which), so ``-m unit`` and ``-m integration`` split the suite in two."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 # A hub id must fail at once instead of retrying for ~45 s (docs/models.md).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,7 +25,16 @@ def pytest_addoption(parser):
     )
 
 
+KINDS = ("unit", "integration")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: every collected test is checked
 def pytest_collection_modifyitems(config, items):
+    unmarked = [it.nodeid for it in items if sum(it.get_closest_marker(k) is not None for k in KINDS) != 1]
+    if unmarked:
+        raise pytest.UsageError(
+            f"{len(unmarked)} tests are not marked exactly one of {' or '.join(KINDS)}: {', '.join(unmarked)}"
+        )
     markexpr = config.getoption("-m") or ""
     if config.getoption("--run-slow") or os.environ.get("LOCA_RUN_SLOW") == "1":
         return
@@ -34,27 +44,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
-
-
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
-
-    kwargs = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=101, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
-
-
-@pytest.fixture
-def tiny_llama():
-    """A randomly initialised 2-block Llama (d=32, V=101) in float32, eval mode, seed 0."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config()).eval()
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ and untouched backbone, selection of the best snapshot, and the settings."""
 
 import pytest
 import torch
-from synthetic import sequences, tiny_llama
+from tiny import sequences, tiny_parts
 
 from loca.baselines.adapter_bp import AdapterBpSettings, BackpropAdapters, fit_adapter_bp
 from loca.baselines.common import completion_loss
@@ -21,7 +21,7 @@ def one_thread():
 
 
 def setup(dtype=torch.float32):
-    model, parts = tiny_llama(hidden=32, layers=2, dtype=dtype)
+    model, parts = tiny_parts(hidden=32, layers=2, dtype=dtype)
     train = make_batches(sequences(48, seed=0), pad_id=0, batch_size=8)
     heldout = make_batches(sequences(24, seed=100), pad_id=0, batch_size=12)
     return model, parts, train, heldout
@@ -71,6 +71,7 @@ def reference_grads(parts, a_list, b_list, batch, credit):
 
 
 @pytest.mark.parametrize("credit", ["all", "predict"])
+@pytest.mark.unit
 def test_gradients_equal_the_autograd_reference(credit):
     model, parts, train, _ = setup(torch.float64)
     adapters = ResidualAdapters(parts, rank=4, seed=3)
@@ -93,6 +94,7 @@ def test_gradients_equal_the_autograd_reference(credit):
     assert all(p.grad is None for p in trainer.params)  # torch.autograd.grad leaves no .grad
 
 
+@pytest.mark.integration
 def test_a_is_locas_for_the_seed_and_fit_leaves_the_backbone_untouched():
     model, parts, train, heldout = setup()
     model.lm_head.weight.requires_grad_(True)  # a flag of the caller's, given back after the fit
@@ -113,6 +115,7 @@ def test_a_is_locas_for_the_seed_and_fit_leaves_the_backbone_untouched():
         assert all(torch.equal(position_losses(parts, b), f) for b, f in zip(heldout, frozen, strict=True))
 
 
+@pytest.mark.integration
 def test_selection_restores_the_best_snapshot():
     _, parts, train, heldout = setup()
     # lr 0.3 reaches a lower held-out CE than lr 3.0, which runs last: the last state is not the best
@@ -133,6 +136,7 @@ def test_selection_restores_the_best_snapshot():
     run.restore()
 
 
+@pytest.mark.integration
 def test_runs_are_deterministic_and_credits_differ():
     _, parts, train, heldout = setup()
     results = {}
@@ -148,6 +152,7 @@ def test_runs_are_deterministic_and_credits_differ():
     assert results["all"][0] != results["predict"][0]
 
 
+@pytest.mark.unit
 def test_settings_validate():
     assert AdapterBpSettings().to_dict() == {
         "lrs": [1e-4, 3e-4], "epochs": 3, "eval_every": 16, "weight_decay": 0.0, "grad_clip": 1.0,
@@ -161,6 +166,7 @@ def test_settings_validate():
         AdapterBpSettings.from_dict({"lr": 1.0})
 
 
+@pytest.mark.integration
 def test_bf16_model_trains_float32_b():
     _, parts, train, heldout = setup(torch.bfloat16)
     settings = AdapterBpSettings(lrs=[0.1], epochs=1, eval_every=3, rank=4, credit="predict")

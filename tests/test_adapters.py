@@ -2,11 +2,13 @@
 
 import pytest
 import torch
-from synthetic import sequences, tiny_llama
+from tiny import sequences, tiny_parts
 
 from loca.data.batching import make_batches
 from loca.method.adapters import ResidualAdapters, adapter_a
 from loca.method.artefacts import CheckpointMismatchError
+
+pytestmark = pytest.mark.unit
 
 
 def logits(model, batch):
@@ -15,7 +17,7 @@ def logits(model, batch):
 
 
 def test_b_zero_is_exactly_frozen_and_detach_is_bit_identical():
-    model, parts = tiny_llama()
+    model, parts = tiny_parts()
     batch = make_batches(sequences(6), pad_id=0)[0]
     state = {k: v.clone() for k, v in model.state_dict().items()}
     before = logits(model, batch)
@@ -30,7 +32,7 @@ def test_b_zero_is_exactly_frozen_and_detach_is_bit_identical():
 
 
 def test_correction_is_b_a_of_the_block_input():
-    model, parts = tiny_llama(layers=2)
+    model, parts = tiny_parts(layers=2)
     batch = make_batches(sequences(3), pad_id=0)[0]
     captured = {}
     h = parts.blocks[0].register_forward_hook(lambda m, a, o: captured.setdefault("out", o))
@@ -54,7 +56,7 @@ def test_a_is_rebuilt_from_seed_and_layer():
 
 
 def test_fp32_adapters_on_bf16_backbone():
-    model, parts = tiny_llama(dtype=torch.bfloat16)
+    model, parts = tiny_parts(dtype=torch.bfloat16)
     adapters = ResidualAdapters(parts, rank=4).attach()
     assert all(x.dtype == torch.float32 for x in adapters.A + adapters.B)
     adapters.B[0] = torch.randn_like(adapters.B[0])
@@ -63,7 +65,7 @@ def test_fp32_adapters_on_bf16_backbone():
 
 
 def test_save_load_roundtrip_and_wrong_checkpoint(tmp_path):
-    model, parts = tiny_llama()
+    model, parts = tiny_parts()
     adapters = ResidualAdapters(parts, rank=4, seed=5)
     adapters.set_b([torch.randn_like(b) for b in adapters.B])
     adapters.save_pretrained(tmp_path / "ad")
@@ -71,13 +73,13 @@ def test_save_load_roundtrip_and_wrong_checkpoint(tmp_path):
     assert loaded.seed == 5 and loaded.rank == 4
     assert all(torch.equal(x, y) for x, y in zip(loaded.B, adapters.B, strict=True))
     assert all(torch.equal(x, y) for x, y in zip(loaded.A, adapters.A, strict=True))
-    _, other = tiny_llama(seed=1)
+    _, other = tiny_parts(seed=1)
     with pytest.raises(CheckpointMismatchError, match="another checkpoint"):
         ResidualAdapters.from_pretrained(other, tmp_path / "ad")
 
 
 def test_set_b_rejects_wrong_shapes():
-    _, parts = tiny_llama()
+    _, parts = tiny_parts()
     adapters = ResidualAdapters(parts, rank=4)
     with pytest.raises(ValueError, match="shape"):
         adapters.set_b([torch.zeros(3, 3)] * parts.num_blocks)
@@ -85,7 +87,7 @@ def test_set_b_rejects_wrong_shapes():
 
 def test_in_place_edits_of_b_take_effect():
     """The zero-B fast path is cached per tensor version, so in-place edits are not missed."""
-    model, parts = tiny_llama()
+    model, parts = tiny_parts()
     batch = make_batches(sequences(3), pad_id=0)[0]
     adapters = ResidualAdapters(parts, rank=4).attach()
     frozen = logits(model, batch)
@@ -99,7 +101,7 @@ def test_in_place_edits_of_b_take_effect():
 def test_zero_b_is_skipped_without_testing_values_in_the_forward(monkeypatch):
     """B known zero (after reset/set_b) skips the correction; an in-place edit makes it active
     without a value test (no device sync per forward), and an edit back to zero stays exact."""
-    model, parts = tiny_llama()
+    model, parts = tiny_parts()
     batch = make_batches(sequences(4), pad_id=0)[0]
     before = logits(model, batch)
     adapters = ResidualAdapters(parts, rank=4).attach()
@@ -121,7 +123,7 @@ def test_adapter_files_are_locas_own_and_legacy_folders_still_load(tmp_path):
     import json
     import os
 
-    _, parts = tiny_llama()
+    _, parts = tiny_parts()
     ad = ResidualAdapters(parts, rank=4, seed=2)
     ad.set_b([torch.randn_like(b) for b in ad.B])
     ad.save_pretrained(tmp_path / "ad", extra={"task": "sst2"})
@@ -145,7 +147,7 @@ def test_adapter_files_are_locas_own_and_legacy_folders_still_load(tmp_path):
 def test_disable_adapter_runs_the_frozen_model_and_generation_matches_uncached():
     from loca.eval.evaluation import completion_ce
 
-    model, parts = tiny_llama()
+    model, parts = tiny_parts()
     batches = make_batches(sequences(8), pad_id=0, batch_size=8)
     frozen = completion_ce(parts, batches).mean
     ad = ResidualAdapters(parts, rank=4, seed=2).attach()

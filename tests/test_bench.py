@@ -4,6 +4,7 @@ each other's allocations, and every phase (the baselines included) runs on a tin
 import json
 import time
 
+import pytest
 import torch
 from tiny import SENTIMENT_TEMPLATE, save_model_and_task
 
@@ -13,6 +14,7 @@ from loca.cli.main import main
 MB = 2**20
 
 
+@pytest.mark.unit
 def test_a_known_allocation_shows_and_phases_are_isolated():
     held = []
 
@@ -30,6 +32,7 @@ def test_a_known_allocation_shows_and_phases_are_isolated():
     assert rows["big"].time_s > 0 and rows["small"].repeats == 2
 
 
+@pytest.mark.integration
 def test_every_phase_runs_and_the_table_has_its_ratios(tmp_path):
     root = save_model_and_task(tmp_path, 60)
     out = tmp_path / "bench"
@@ -49,6 +52,7 @@ def test_every_phase_runs_and_the_table_has_its_ratios(tmp_path):
     assert "—" in lora  # LoRA against itself: no ratio
 
 
+@pytest.mark.integration
 def test_synthetic_lengths_give_batches_of_exactly_that_length(tmp_path):
     root = save_model_and_task(tmp_path, 10)  # the built-in task's data is never read
     out = tmp_path / "bench"
@@ -62,6 +66,7 @@ def test_synthetic_lengths_give_batches_of_exactly_that_length(tmp_path):
     assert setup["predict_positions"] == 12 * 2  # the answer token and EOS
 
 
+@pytest.mark.unit
 def test_synthetic_items_are_seeded_and_sized():
     from loca.data.synthetic import synthetic_items
 

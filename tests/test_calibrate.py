@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from synthetic import sequences, tiny_llama
+from tiny import sequences, tiny_parts
 
 from loca.core.ridge import feedback_factors
 from loca.data.batching import make_batches
@@ -33,8 +33,9 @@ def reference_gradients(model, parts, batch):
     return [g[batch.pos_b, batch.pos_t] for g in grads]
 
 
+@pytest.mark.unit
 def test_probe_errors_and_gradients_match_autograd():
-    model, parts = tiny_llama()
+    model, parts = tiny_parts()
     items = sequences(10)
     batch = make_batches(items, pad_id=0, batch_size=100)[0]
     e, grads = probe_gradients(parts, batch.items, probe_micro_batch=3, pad_id=0)
@@ -53,8 +54,9 @@ def test_probe_errors_and_gradients_match_autograd():
     torch.testing.assert_close(e1.double(), want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.integration
 def test_calibrate_fits_the_dual_ridge_and_reports_alignment(tmp_path):
-    _, parts = tiny_llama()
+    _, parts = tiny_parts()
     items = sequences(40)
     probe = select_probe(items, n_positions=30, seed=0)
     assert sum(len(x.completion) for x in probe) >= 30
@@ -74,23 +76,26 @@ def test_calibrate_fits_the_dual_ridge_and_reports_alignment(tmp_path):
     pairs = zip(loaded.factors, maps.factors, strict=True)
     assert all(torch.equal(a.us, b.us) and torch.equal(a.v, b.v) for a, b in pairs)
     assert loaded.meta["alignment"] == maps.meta["alignment"]
-    _, other = tiny_llama(seed=3)
+    _, other = tiny_parts(seed=3)
     with pytest.raises(CheckpointMismatchError):
         FeedbackMaps.from_pretrained(tmp_path / "maps", other)
 
 
+@pytest.mark.unit
 def test_calibrate_rejects_an_empty_probe():
-    _, parts = tiny_llama()
+    _, parts = tiny_parts()
     with pytest.raises(ValueError, match="empty"):
         calibrate(parts, [])
 
 
+@pytest.mark.unit
 def test_probe_keeps_no_parameter_gradients():
-    model, parts = tiny_llama()
+    model, parts = tiny_parts()
     probe_gradients(parts, sequences(4), probe_micro_batch=2, pad_id=0)
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.integration
 def test_calibration_leaves_parameter_grads_empty_whatever_requires_grad():
     """A model not loaded by ``load_model`` has ``requires_grad`` on every parameter: calibration
     (and a Calibrator with pooled rounds) must neither fill ``.grad`` nor change the flags."""
@@ -99,7 +104,7 @@ def test_calibration_leaves_parameter_grads_empty_whatever_requires_grad():
     from loca.method.calibrate import Calibrator
     from loca.method.run import calibrate_maps
 
-    model, parts = tiny_llama()
+    model, parts = tiny_parts()
     model.requires_grad_(True)
     items = sequences(24)
     calibrate(parts, items, sequences(6, seed=3), feedback_rank=4, beta_rel=1e-3, probe_micro_batch=5)
@@ -123,13 +128,14 @@ def test_calibration_leaves_parameter_grads_empty_whatever_requires_grad():
     assert all(p.grad is None for p in params)
 
 
+@pytest.mark.unit
 def test_checkpointed_probe_gives_the_same_gradients_and_recomputes_each_block():
     """Per-block recomputation in the probe: the same errors and gradients (float64), each block
     run twice per micro-batch (forward, then again in the backward), and the blocks' own
     ``forward`` back afterwards."""
     from loca.method.probe import checkpointed
 
-    model, parts = tiny_llama()
+    model, parts = tiny_parts()
     items = sequences(12)
     plain = probe_gradients(parts, items, probe_micro_batch=4, pad_id=0)
     calls = {"n": 0}
@@ -161,6 +167,7 @@ def test_checkpointed_probe_gives_the_same_gradients_and_recomputes_each_block()
     assert all("forward" not in b.__dict__ for b in parts.blocks)
 
 
+@pytest.mark.unit
 def test_a_memory_budget_bounds_the_probe_micro_batches(monkeypatch):
     """``probe_memory_mb``: a trial step on the longest sequence gives the memory per token; the
     micro-batches then hold at most the tokens that fit, and the rows are the same."""
@@ -181,7 +188,7 @@ def test_a_memory_budget_bounds_the_probe_micro_batches(monkeypatch):
         def __exit__(self, *exc):
             return None
 
-    _, parts = tiny_llama()
+    _, parts = tiny_parts()
     items = sequences(20)
     longest = max(len(it.ids) for it in items)
     monkeypatch.setattr(loca.infra.memory, "PeakMemory", FakePeak)

@@ -13,6 +13,8 @@ from tiny import (
 
 from loca.cli.main import main
 
+pytestmark = pytest.mark.integration
+
 TEMPLATE = SENTIMENT_TEMPLATE
 
 

@@ -37,6 +37,7 @@ def setup(tmp_path_factory):
     return root, args
 
 
+@pytest.mark.integration
 def test_compare_writes_every_file_and_resumes(setup, capsys):
     root, args = setup
     out = root / "run"
@@ -89,6 +90,7 @@ def test_compare_writes_every_file_and_resumes(setup, capsys):
     assert (out / "table.md").is_file()
 
 
+@pytest.mark.integration
 def test_unknown_method_is_a_clear_error(setup, capsys):
     root, args = setup
     bad = [*args[: args.index("--methods")], "--methods", "frozen", "sgd"]
@@ -96,6 +98,7 @@ def test_unknown_method_is_a_clear_error(setup, capsys):
     assert "unknown method" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_list_flags_take_commas_or_spaces():
     from loca.cli.args import config_from_args, dataclass_from_args
     from loca.cli.main import build_parser
@@ -109,6 +112,7 @@ def test_list_flags_take_commas_or_spaces():
     assert config_from_args(args).etas == [0.01, 0.03]
 
 
+@pytest.mark.integration
 def test_loca_variants_run_as_extra_methods_with_an_ablation_table(setup, tmp_path):
     root, args = setup
     base = args[: args.index("--methods")]
@@ -137,6 +141,7 @@ def test_loca_variants_run_as_extra_methods_with_an_ablation_table(setup, tmp_pa
         CompareSettings(loca_variants='{"x": {"learning_rate": 1}}')
 
 
+@pytest.mark.unit
 def test_loca_variant_precedence(tmp_path):
     """From the strongest: the variant's keys, the run's flags, the variant's preset, the run's
     --preset and --config, the defaults."""
@@ -172,6 +177,7 @@ def test_loca_variant_precedence(tmp_path):
     assert cfg("loca@p")["feedback_rank"] == 4
 
 
+@pytest.mark.unit
 def test_loca_variants_file_is_read_once(tmp_path):
     from loca.compare import CompareSettings
 
@@ -185,6 +191,7 @@ def test_loca_variants_file_is_read_once(tmp_path):
         CompareSettings(loca_variants=str(path))
 
 
+@pytest.mark.integration
 def test_yardsticks_run_end_to_end(setup):
     """lora-paper (the paper's LoRA protocol, last iterate) and both Adapter-BP credits as methods."""
     root, args = setup
@@ -264,6 +271,7 @@ def _cell(task, seed, method, test_ce, acc=0.5):
     }  # fmt: skip
 
 
+@pytest.mark.unit
 def test_r_ceiling_on_hand_made_cells():
     from loca.compare.report import rows_from_cells, summarize, table_markdown
 

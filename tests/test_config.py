@@ -11,6 +11,8 @@ from loca.baselines import AdapterBpSettings, LoraSettings, MezoSettings
 from loca.cli.args import add_config_args, add_dataclass_args, config_from_args, dataclass_from_args
 from loca.config import DataConfig, LocaConfig, ModelConfig, Settings, choices, option
 
+pytestmark = pytest.mark.unit
+
 
 def test_round_trip_through_json():
     cfg = LocaConfig(rank=8, etas=[0.01], lam_rel=[1e-2, 1e-3], groups=3, add_eos=False)

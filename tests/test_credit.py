@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from synthetic import sequences, tiny_llama
 from test_fit import adapter_gradient, short_prompt_items
+from tiny import sequences, tiny_parts
 
 from loca.config import LocaConfig
 from loca.core.ridge import alignment, feedback_factors, gate_mask, gated_feedback_factors, solve_block
@@ -16,6 +16,7 @@ from loca.method.probe import probe_gradients, probe_roles
 from loca.method.stage2 import collect_statistics
 
 
+@pytest.mark.unit
 def test_position_roles():
     items = [
         Encoded((5, 6), (7, 8, 9, 2), has_eos=True),  # first, inside, inside, eos
@@ -43,6 +44,7 @@ def _role_credit(n=90, d=16, k=4, seed=0):
     return e, roles, grads
 
 
+@pytest.mark.unit
 def test_gated_maps_recover_a_role_dependent_linear_credit_exactly():
     e, roles, grads = _role_credit()
     factors = gated_feedback_factors(e, grads, roles, 3, beta_rel=1e-12, rank=4)
@@ -57,6 +59,7 @@ def test_gated_maps_recover_a_role_dependent_linear_credit_exactly():
     assert max(alignment(f, e, g) for f, g in zip(single, grads, strict=True)) < 0.8
 
 
+@pytest.mark.unit
 def test_a_role_with_too_few_rows_gets_the_shared_map():
     e, roles, grads = _role_credit()
     roles = roles.clone()
@@ -69,8 +72,9 @@ def test_a_role_with_too_few_rows_gets_the_shared_map():
         gated_feedback_factors(e, grads, roles[:-1], 3, 1.0, 4)
 
 
+@pytest.mark.integration
 def test_gated_stage2_step_is_the_adapter_gradient_with_exact_per_role_credit():
-    model, parts = tiny_llama(hidden=32)
+    model, parts = tiny_parts(hidden=32)
     items = short_prompt_items(12)  # roles: 12 first + 12 inside positions, each ≤ d: the fits interpolate
     batches = make_batches(items, pad_id=0, batch_size=100)
     maps = calibrate(parts, items, feedback_rank=12, beta_rel=1e-12, probe_micro_batch=100,
@@ -87,9 +91,10 @@ def test_gated_stage2_step_is_the_adapter_gradient_with_exact_per_role_credit():
         assert cos > 0.999, (layer, cos)
 
 
+@pytest.mark.integration
 def test_gated_statistics_equal_their_closed_form():
     """cross = Σ_t s · (mask_t ∘ V^T e_t) p_tᵀ, with s = ||H||_F / ||Σ_k y||_F over the batch."""
-    model, parts = tiny_llama(hidden=32, layers=2)
+    model, parts = tiny_parts(hidden=32, layers=2)
     items = sequences(10, seed=3)
     batch = make_batches(items, pad_id=0, batch_size=100)[0]
     maps = calibrate(parts, items, feedback_rank=3, beta_rel=1.0, probe_micro_batch=4, feedback_gate="role")
@@ -112,8 +117,9 @@ def test_gated_statistics_equal_their_closed_form():
         assert torch.allclose(stats[l].cross, s * y.T @ p, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.integration
 def test_gated_maps_save_load_and_fit(tmp_path):
-    model, parts = tiny_llama(hidden=32, layers=2)
+    model, parts = tiny_parts(hidden=32, layers=2)
     train, held = sequences(24, seed=0), sequences(12, seed=1)
     cfg = LocaConfig(feedback_gate="role", feedback_rank=4, rank=4, max_iters=4, cuda_graphs=False)
     maps = calibrate(parts, train, held, feedback_rank=4, feedback_gate="role", probe_micro_batch=8)
@@ -140,6 +146,7 @@ def test_gated_maps_save_load_and_fit(tmp_path):
         FeedbackMaps.from_pretrained(tmp_path / "maps", parts)
 
 
+@pytest.mark.unit
 def test_feedback_gate_is_validated():
     with pytest.raises(ValueError, match="feedback_gate"):
         LocaConfig(feedback_gate="cluster")
@@ -168,8 +175,9 @@ def _reference_gradients(parts, items, errors):
 
 
 @pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.unit
 def test_synthetic_probe_rows_are_exact_gradients_of_their_errors(recompute):
-    model, parts = tiny_llama(hidden=32, layers=2)
+    model, parts = tiny_parts(hidden=32, layers=2)
     items = sequences(9, seed=4, answers=5)
     e0, g0 = probe_gradients(parts, items, 4, 0)
     e, g = probe_gradients(parts, items, 4, 0, recompute=recompute, synthetic=2, seed=7)
@@ -194,10 +202,11 @@ def test_synthetic_probe_rows_are_exact_gradients_of_their_errors(recompute):
     assert not torch.equal(e3[n:], e[n:])
 
 
+@pytest.mark.integration
 def test_synthetic_rows_join_the_fit_as_one_pooled_set():
     from loca.method.calibrate import _pooled
 
-    model, parts = tiny_llama(hidden=32, layers=2)
+    model, parts = tiny_parts(hidden=32, layers=2)
     items = sequences(12, seed=5, answers=6)
     maps = calibrate(parts, items, feedback_rank=4, beta_rel=1.0, probe_micro_batch=4, probe_synthetic=3,
                      seed=2)  # fmt: skip

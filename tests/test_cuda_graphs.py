@@ -10,6 +10,8 @@ from tiny import SENTIMENT_TEMPLATE, save_tiny_model, write_sentiment_task
 
 from loca.data.batching import Encoded, make_batches
 
+pytestmark = pytest.mark.integration
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

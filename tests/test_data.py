@@ -28,6 +28,8 @@ from loca.data import (
 from loca.data.splits import group_ids, load_pool, permutation, shared_with
 from loca.data.tasks import context_keys, hellaswag_clean, passage_keys
 
+pytestmark = pytest.mark.unit
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not present")
 

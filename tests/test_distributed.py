@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 from tiny import SENTIMENT_TEMPLATE, save_model_and_task, save_tiny_model, write_sentiment_task
 
+pytestmark = pytest.mark.integration
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -62,7 +64,7 @@ def test_two_gloo_processes_fit_what_one_process_fits(root, tmp_path, extra):
 def _dp_setup(rank: int, world: int, store: str):
     """One rank's process group, tiny float64 model, calibrated maps and batches."""
     import torch.distributed as dist
-    from synthetic import sequences, tiny_llama
+    from tiny import sequences, tiny_parts
 
     from loca.config import LocaConfig
     from loca.data.batching import make_batches
@@ -71,7 +73,7 @@ def _dp_setup(rank: int, world: int, store: str):
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    _, parts = tiny_llama(hidden=32, layers=3)
+    _, parts = tiny_parts(hidden=32, layers=3)
     train_items, heldout_items = sequences(40, seed=0), sequences(20, seed=100)
     cfg = LocaConfig(rank=8, feedback_rank=8, probe_positions=60, probe_micro_batch=5, max_iters=4,
                      step_control="fixed", etas=[0.02, 0.1], batch_size=6)  # fmt: skip

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from synthetic import VOCAB, sequences, tiny_llama
+from tiny import SEQUENCE_VOCAB, sequences, tiny_parts
 
 from loca.config import LocaConfig
 from loca.core.ridge import FeedbackFactors, solve_block
@@ -17,6 +17,8 @@ from loca.method.fit import fit
 from loca.method.maps import FeedbackMaps
 from loca.method.stage2 import block_groups, collect_statistics, solve_blocks
 
+pytestmark = pytest.mark.integration
+
 stage2_mod = importlib.import_module("loca.method.stage2")
 
 
@@ -24,7 +26,7 @@ def short_prompt_items(n, seed=0):
     """One-token prompts: every position with a non-zero gradient is a predict position, so the
     predict-position statistics see the whole adapter gradient."""
     gen = torch.Generator().manual_seed(seed)
-    toks = torch.randint(3, VOCAB, (n, 3), generator=gen).tolist()
+    toks = torch.randint(3, SEQUENCE_VOCAB, (n, 3), generator=gen).tolist()
     return [Encoded((a,), (b, c)) for a, b, c in toks]
 
 
@@ -46,7 +48,7 @@ def adapter_gradient(model, parts, batch, layer, rank, seed):
 
 @pytest.mark.parametrize("lam_rel,min_cos", [(1e4, 0.999), (1e-3, 0.0)])
 def test_exact_gradient_feedback_moves_b_against_the_adapter_gradient(lam_rel, min_cos):
-    model, parts = tiny_llama(hidden=32)
+    model, parts = tiny_parts(hidden=32)
     items = short_prompt_items(12)  # 24 positions ≤ d = 32: the dual fit interpolates, F e_t = g_t
     batches = make_batches(items, pad_id=0, batch_size=100)
     maps = calibrate(parts, items, feedback_rank=24, beta_rel=1e-12, probe_micro_batch=100)
@@ -61,7 +63,7 @@ def test_exact_gradient_feedback_moves_b_against_the_adapter_gradient(lam_rel, m
 
 @pytest.mark.parametrize("budget_mb", [64.0, 1e-6])  # all blocks in one solve / one block at a time
 def test_solve_blocks_in_place_matches_each_blocks_solve(budget_mb):
-    model, parts = tiny_llama(hidden=32, layers=3)
+    model, parts = tiny_parts(hidden=32, layers=3)
     items = short_prompt_items(12)
     batches = make_batches(items, pad_id=0, batch_size=6)
     maps = calibrate(parts, items, feedback_rank=8, beta_rel=1e-3, probe_micro_batch=12)
@@ -79,7 +81,7 @@ def test_solve_blocks_in_place_matches_each_blocks_solve(budget_mb):
 
 
 def tiny_setup(n_train=48, n_heldout=24, seed=0):
-    model, parts = tiny_llama(hidden=32, layers=3)
+    model, parts = tiny_parts(hidden=32, layers=3)
     train_items, heldout_items = sequences(n_train, seed=seed), sequences(n_heldout, seed=seed + 100)
     maps = calibrate(parts, train_items, feedback_rank=8, beta_rel=1e-3, probe_micro_batch=16)
     train = make_batches(train_items, pad_id=0, batch_size=16)

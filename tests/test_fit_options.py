@@ -6,7 +6,7 @@ import importlib
 import numpy as np
 import pytest
 import torch
-from synthetic import sequences, tiny_llama
+from tiny import sequences, tiny_parts
 
 from loca.config import LocaConfig
 from loca.core.ridge import FeedbackFactors, nystrom_top_eigenvectors
@@ -23,7 +23,7 @@ stage2_mod = importlib.import_module("loca.method.stage2")
 
 
 def setup(seed=0, **cfg_kw):
-    _, parts = tiny_llama(hidden=32, layers=3)
+    _, parts = tiny_parts(hidden=32, layers=3)
     train_items, heldout_items = sequences(48, seed=seed), sequences(24, seed=seed + 100)
     cfg = LocaConfig(rank=8, feedback_rank=8, probe_positions=100, **cfg_kw)
     cal = Calibrator(parts, train_items, heldout_items, cfg, pad_id=0)
@@ -50,6 +50,7 @@ def count_passes(monkeypatch) -> dict:
     return calls
 
 
+@pytest.mark.integration
 def test_adaptive_never_ends_worse_and_retries_on_the_same_statistics(monkeypatch):
     parts, _, maps, train, heldout, cfg = setup(
         step_control="adaptive", etas=[10.0], max_iters=10, patience=6
@@ -75,6 +76,7 @@ def test_adaptive_never_ends_worse_and_retries_on_the_same_statistics(monkeypatc
     assert completion_ce(parts, heldout).mean == pytest.approx(res.heldout_ce, rel=1e-9)
 
 
+@pytest.mark.integration
 def test_a_rejected_step_restores_b_exactly():
     """Rejections before the first accepted step leave B = 0: the accepted step equals one step
     taken directly with that η from B = 0."""
@@ -99,6 +101,7 @@ def test_a_rejected_step_restores_b_exactly():
     assert all(torch.equal(a, b) for a, b in zip(b_first, direct.adapters.get_b(), strict=True))
 
 
+@pytest.mark.integration
 def test_adaptive_returns_the_frozen_model_when_every_step_is_uphill(monkeypatch):
     parts, _, maps, train, heldout, cfg = setup(step_control="adaptive", max_iters=6, patience=3)
     bad = FeedbackMaps([FeedbackFactors(-1e3 * f.us, f.v) for f in maps.factors], maps.fingerprint)
@@ -109,6 +112,7 @@ def test_adaptive_returns_the_frozen_model_when_every_step_is_uphill(monkeypatch
     assert "patience (3)" in next(iter(res.stop_reasons.values()))
 
 
+@pytest.mark.unit
 def test_nystrom_recovers_the_top_eigenvectors():
     gen = torch.Generator().manual_seed(0)
     d, m, rank = 40, 12, 5
@@ -120,6 +124,7 @@ def test_nystrom_recovers_the_top_eigenvectors():
     assert np.allclose(np.abs(ref.T @ u.numpy()), np.eye(rank), atol=1e-8)
 
 
+@pytest.mark.integration
 def test_principal_a_is_deterministic_orthonormal_and_spans_the_top_directions():
     parts, _, _, train, _, _ = setup()
     rank = 22  # sketch width rank + 10 = d: the Nyström step is exact
@@ -149,6 +154,7 @@ def test_principal_a_is_deterministic_orthonormal_and_spans_the_top_directions()
         assert torch.linalg.matrix_norm(a @ top) ** 2 == pytest.approx(rank, abs=1e-3)
 
 
+@pytest.mark.integration
 def test_principal_a_round_trips_through_the_adapter_file(tmp_path):
     parts, _, maps, train, heldout, cfg = setup(a_init="principal", max_iters=2)
     res = fit(parts, maps, train, heldout, cfg, progress=False)
@@ -160,6 +166,7 @@ def test_principal_a_round_trips_through_the_adapter_file(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(loaded.get_b(), res.adapters.get_b(), strict=True))
 
 
+@pytest.mark.integration
 def test_recalibration_refits_the_maps_during_an_adaptive_fit():
     parts, cal, maps, train, heldout, cfg = setup(step_control="adaptive", recalibrate_every=1, max_iters=4)
     res = fit(parts, maps, train, heldout, cfg, calibrator=cal, progress=False)
@@ -175,6 +182,7 @@ def test_recalibration_refits_the_maps_during_an_adaptive_fit():
         fit(parts, maps, train, heldout, cfg, progress=False)
 
 
+@pytest.mark.integration
 def test_alignment_diagnostic_is_recorded_and_changes_nothing():
     parts, cal, maps, train, heldout, cfg = setup(max_iters=3, etas=[0.03])
     plain = fit(parts, maps, train, heldout, cfg, progress=False)
@@ -191,6 +199,7 @@ def test_alignment_diagnostic_is_recorded_and_changes_nothing():
     assert cal.heldout_alignment(maps) == pytest.approx(maps.meta["alignment"]["heldout"], abs=1e-6)
 
 
+@pytest.mark.integration
 def test_pooling_a_probe_with_itself_gives_the_same_maps():
     parts, cal, maps, *_ = setup()
     pool: list = []
@@ -201,6 +210,7 @@ def test_pooling_a_probe_with_itself_gives_the_same_maps():
         torch.testing.assert_close(f.us @ f.v.T, g.us @ g.v.T, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.integration
 def test_calibration_rounds_pool_probes_at_two_adapter_states():
     parts, cal, one_round, train, heldout, cfg = setup(calibration_rounds=2, calibration_round_iters=3)
     maps = calibrate_maps(cal, train, heldout, cfg)

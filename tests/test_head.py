@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from loca.core.head import LogitTransform, head_loss_and_error
 
+pytestmark = pytest.mark.unit
+
 
 def reference(hn, w, b, y, transform, logits_dtype=torch.float64):
     """Autograd in float64; ``logits_dtype`` rounds the head's matmul output the way a

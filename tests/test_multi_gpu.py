@@ -8,9 +8,11 @@ import pytest
 import torch
 from tiny import SENTIMENT_TEMPLATE, save_tiny_model, write_sentiment_task
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
-)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                       reason="needs two CUDA devices"),
+]
 
 
 def test_a_model_spread_over_two_gpus_fits_like_one(tmp_path):

@@ -36,6 +36,7 @@ def user_folder(path):
 
 
 # -- artefact folders ---------------------------------------------------------------------------
+@pytest.mark.unit
 def test_atomic_dir_never_replaces_a_folder_it_did_not_make(tmp_path):
     mine = user_folder(tmp_path / "mine")
     with pytest.raises(FolderInUseError, match="refusing to replace"):
@@ -45,6 +46,7 @@ def test_atomic_dir_never_replaces_a_folder_it_did_not_make(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["mine"]  # no temporary folder left behind
 
 
+@pytest.mark.unit
 def test_atomic_dir_replaces_its_own_kind_and_restores_it_if_the_swap_fails(tmp_path, monkeypatch):
     target = tmp_path / "adapter"
     for text in ("v1", "v2"):
@@ -67,6 +69,7 @@ def test_atomic_dir_replaces_its_own_kind_and_restores_it_if_the_swap_fails(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
 
+@pytest.mark.unit
 def test_json_is_strict(tmp_path):
     with pytest.raises(ValueError, match="non-finite"):
         atomic_write_json(tmp_path / "r.json", {"test_ce": float("nan")})
@@ -74,6 +77,7 @@ def test_json_is_strict(tmp_path):
 
 
 # -- run folders --------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_run_folder_rules(tmp_path, setup):
     root, _ = setup
     assert prepare_run_dir(tmp_path / "new", "fit").is_dir()
@@ -99,6 +103,7 @@ def test_run_folder_rules(tmp_path, setup):
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores folder permissions")
+@pytest.mark.unit
 def test_a_read_only_out_fails_before_the_work(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -110,6 +115,7 @@ def test_a_read_only_out_fails_before_the_work(tmp_path):
         ro.chmod(0o755)
 
 
+@pytest.mark.integration
 def test_commands_refuse_user_folders_and_model_folders(setup, tmp_path, capsys):
     root, common = setup
     model_files = sorted(p.name for p in (root / "model").iterdir())
@@ -135,6 +141,7 @@ def test_commands_refuse_user_folders_and_model_folders(setup, tmp_path, capsys)
     assert sorted(p.name for p in (root / "model").iterdir()) == model_files
 
 
+@pytest.mark.integration
 def test_rerunning_fit_needs_overwrite_and_evaluate_never_replaces_a_fit(setup, tmp_path, capsys):
     root, common = setup
     run = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
@@ -151,6 +158,7 @@ def test_rerunning_fit_needs_overwrite_and_evaluate_never_replaces_a_fit(setup, 
     assert main([*run, "--overwrite"]) == 0
 
 
+@pytest.mark.integration
 def test_non_finite_adapters_and_metrics_are_errors_and_nothing_is_written(setup, tmp_path, capsys):
     root, common = setup
     from safetensors.torch import load_file, save_file
@@ -182,6 +190,7 @@ def test_non_finite_adapters_and_metrics_are_errors_and_nothing_is_written(setup
     assert not (tmp_path / "e2" / "results.json").exists()
 
 
+@pytest.mark.integration
 def test_corrupt_artefacts_name_the_file(setup, tmp_path, capsys):
     root, common = setup
     fit = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
@@ -208,6 +217,7 @@ def test_corrupt_artefacts_name_the_file(setup, tmp_path, capsys):
     (["--beta-rel", "inf"], "beta_rel"),
     (["--etas", "nan"], "etas"),
 ])  # fmt: skip
+@pytest.mark.integration
 def test_bad_flags_are_one_line_errors(setup, tmp_path, capsys, flags, needle):
     root, common = setup
     argv = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4",
@@ -217,6 +227,7 @@ def test_bad_flags_are_one_line_errors(setup, tmp_path, capsys, flags, needle):
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+@pytest.mark.integration
 def test_foreign_code_in_a_model_folder_is_never_run(setup, tmp_path, capsys):
     root, _ = setup
     folder = tmp_path / "remote"
@@ -239,6 +250,7 @@ def test_foreign_code_in_a_model_folder_is_never_run(setup, tmp_path, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+@pytest.mark.integration
 def test_debug_shows_the_traceback(setup, tmp_path):
     root, common = setup
     mine = user_folder(tmp_path / "mine")
@@ -246,6 +258,7 @@ def test_debug_shows_the_traceback(setup, tmp_path):
         main(["--debug", "fit", *common, "--out", str(mine)])
 
 
+@pytest.mark.unit
 def test_fingerprint_sees_a_change_in_any_weight(setup):
     from loca.models.parts import find_parts, fingerprint
 
@@ -260,6 +273,7 @@ def test_fingerprint_sees_a_change_in_any_weight(setup):
     assert fingerprint(find_parts(tiny_model(tiny_tokenizer()).to(torch.bfloat16))) == before
 
 
+@pytest.mark.integration
 def test_data_and_context_warnings(setup, tmp_path, capsys):
     root, common = setup
 
@@ -288,6 +302,7 @@ def test_data_and_context_warnings(setup, tmp_path, capsys):
     assert "prompts were cut from the left" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_overwrite_never_replaces_a_users_file_of_the_same_name(setup, tmp_path, capsys):
     root, common = setup
     mine = user_folder(tmp_path / "mine")
@@ -300,6 +315,7 @@ def test_overwrite_never_replaces_a_users_file_of_the_same_name(setup, tmp_path,
     assert main(bench) == 2 and "names no phase" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_sigterm_leaves_a_consistent_best_snapshot(setup, tmp_path):
     """A real `loca fit` process killed mid-fit: the adapter on disk is a complete snapshot that
     loads and matches the model, and the run folder is still recognised as a fit run."""
@@ -338,6 +354,7 @@ def test_sigterm_leaves_a_consistent_best_snapshot(setup, tmp_path):
     assert run_command(out) == "fit"
 
 
+@pytest.mark.integration
 def test_flags_that_do_not_apply_are_refused(setup, tmp_path, capsys):
     root, common = setup
     argv = ["calibrate", *common, "--n-train", "8", "--n-heldout", "4", "--out", str(tmp_path / "m")]
@@ -345,6 +362,7 @@ def test_flags_that_do_not_apply_are_refused(setup, tmp_path, capsys):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.integration
 def test_a_full_disk_at_the_end_loses_no_metrics(setup, tmp_path, capsys, monkeypatch):
     """Writing results.json fails with ENOSPC (simulated): the metrics are on screen, the error is
     one line, and no partial file is left."""
@@ -368,6 +386,7 @@ def test_a_full_disk_at_the_end_loses_no_metrics(setup, tmp_path, capsys, monkey
     assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == [".loca-run.json"]
 
 
+@pytest.mark.integration
 def test_a_single_test_example_has_undefined_standard_errors_not_an_error(setup, tmp_path):
     root, _ = setup
     argv = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
@@ -378,6 +397,7 @@ def test_a_single_test_example_has_undefined_standard_errors_not_an_error(setup,
     assert results["acc_stderr"] is None and results["test_ce"] > 0
 
 
+@pytest.mark.integration
 def test_a_failed_evaluation_leaves_the_model_without_adapters(tmp_path, monkeypatch):
     """Pipeline.run: if the test evaluation fails (here: refused metrics), the fitted adapters
     are detached before the error propagates; the best snapshot stays on disk."""

@@ -11,6 +11,8 @@ from tiny import SENTIMENT_TEMPLATE, save_tiny_model, write_sentiment_task
 from loca.cli.main import main
 from loca.eval.run_report import alignment_medians, read_run, read_runs, running_best, table_row, trajectories
 
+pytestmark = pytest.mark.integration
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

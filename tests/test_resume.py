@@ -3,13 +3,15 @@ reaches exactly the adapters, selection and history of an uninterrupted fit (CPU
 
 import pytest
 import torch
-from synthetic import sequences, tiny_llama
+from tiny import sequences, tiny_parts
 
 from loca.config import LocaConfig
 from loca.data.batching import make_batches
 from loca.method.calibrate import Calibrator
 from loca.method.fit import fit
 from loca.method.state import load_fit_state, save_fit_state
+
+pytestmark = pytest.mark.integration
 
 TIMING = {"time_s", "elapsed_s"}
 
@@ -19,7 +21,7 @@ class Stop(Exception):
 
 
 def setup(**cfg_kw):
-    _, parts = tiny_llama(hidden=32, layers=3)
+    _, parts = tiny_parts(hidden=32, layers=3)
     train_items, heldout_items = sequences(48, seed=0), sequences(24, seed=100)
     cfg = LocaConfig(rank=8, feedback_rank=8, probe_positions=100, **cfg_kw)
     cal = Calibrator(parts, train_items, heldout_items, cfg, pad_id=0)
@@ -73,6 +75,6 @@ def test_a_state_for_another_model_is_refused(tmp_path):
     parts, cal, maps, train, heldout, cfg = setup(max_iters=1)
     fit(parts, maps, train, heldout, cfg, on_checkpoint=lambda s: save_fit_state(s, tmp_path / "s"),
         progress=False).adapters.detach()  # fmt: skip
-    _, other = tiny_llama(hidden=32, layers=2)
+    _, other = tiny_parts(hidden=32, layers=2)
     with pytest.raises(ValueError, match="3 blocks"):
         load_fit_state(tmp_path / "s", other)

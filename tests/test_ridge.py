@@ -13,6 +13,8 @@ from loca.core.ridge import (
     solve_block,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def float64_default():

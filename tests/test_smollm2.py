@@ -14,6 +14,7 @@ from loca.models.parts import find_parts
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.skipif(not (DATA / "sst2").is_dir(), reason="../shared/data is not beside the checkout"),
 ]

@@ -1,9 +1,12 @@
 """Packed per-block buffers: stacking consecutive slices is a view with torch.stack/cat's values;
 anything else is copied as torch would."""
 
+import pytest
 import torch
 
 from loca.core import stacked
+
+pytestmark = pytest.mark.unit
 
 
 def _blocks(n=5, shape=(4, 3), seed=0):

@@ -24,6 +24,8 @@ import torch
 from safetensors.torch import load_file
 from tiny import SENTIMENT_TEMPLATE, save_model_and_task, write_sentiment_task
 
+pytestmark = pytest.mark.integration
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 DATA = ["--n-train", "16", "--n-heldout", "8", "--n-test", "10"]
 

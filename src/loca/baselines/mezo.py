@@ -13,17 +13,12 @@ Both are selected like every method of the comparison (:class:`~.common.HeldoutS
 
 Why the default learning rates (``lr`` is given *before* the 1/√D scaling; ``η = lr/√D``): to
 second order a step changes the minibatch loss by ``−η g² + ½ η² g² zᵀHz``, and ``zᵀHz ≈ tr H`` for
-a random z, so it descends for ``η < 2/tr H`` and fastest near ``η* = 1/tr H`` (SGD's ``1/λ_max``
-with the trace in place of the top eigenvalue). In expectation ``−η g z`` is an SGD step of size
-η; ``‖η g z‖ ≈ lr·|g|``, so lr is the step's norm relative to the gradient's. Measured on
-SmolLM2-135M-Instruct, SST-2 (batches of 16, frozen state; tr H from ``(L₊ + L₋ − 2L)/ε²`` along
-random z) and checked by runs on 128 training / 64 held-out examples (held-out CE 5.69 frozen):
-
-* adapters, rank 32 (D = 30·576·32 = 5.5e5, √D ≈ 744): ‖∇L‖ ≈ 180, tr H ≈ 6–10e4, so
-  lr* ≈ √D/tr H ≈ 0.009 and the edge ≈ 0.02. After 200 steps lr 3e-3 reached 0.58, 1e-2 0.40;
-  2e-2 climbed to 6.6.
-* all weights (D = 1.35e8, √D ≈ 11600): ‖∇L‖ ≈ 110, tr H ≈ 0.7–4e4 (zᵀHz varies a lot between z),
-  so lr* ≈ 0.3. After 40 steps lr 0.1 reached 2.76, 0.3 1.24; 0.6 climbed to 18.
+a random z, so it descends for ``η < 2/tr H`` (the edge) and fastest near ``η* = 1/tr H`` (SGD's
+``1/λ_max`` with the trace in place of the top eigenvalue). In expectation ``−η g z`` is an SGD step
+of size η; ``‖η g z‖ ≈ lr·|g|``, so lr is the step's norm relative to the gradient's, and the
+optimum is ``lr* = √D/tr H``. tr H was measured along random z (``(L₊ + L₋ − 2L)/ε²``) for the
+adapters and for all weights of SmolLM2-135M-Instruct, and the resulting lr* checked by short runs;
+the numbers are in docs/compare.md ("MeZO's default learning rates").
 
 Each default grid spans 0.1–1 × that optimum in half-decades and stays below the edge, since the
 curvature grows as the fit moves and differs between tasks. The adapters' B acts on the
@@ -241,9 +236,8 @@ def fit_mezo(
     and, with ``backup="host"``, the per-step copy for the exact restore: up to three models'
     worth (four on a CPU model, counting the model itself). GPU memory then stays at inference
     level, at the price of copying the weights to the host and back at every step;
-    ``backup="device"`` keeps that copy on the GPU instead. Both give identical results. On an
-    H100 (SmolLM2-135M shape, float32, 16×62 tokens): 120 ms a step and +106 MiB of GPU peak
-    (one tensor's noise) with ``"host"``, 67 ms and +630 MiB with ``"device"``.
+    ``backup="device"`` keeps that copy on the GPU instead, trading GPU memory for step time
+    (docs/compare.md has the cost of each). Both give identical results.
     """
     settings = settings or MezoSettings()
     params = [p for p in parts.model.parameters() if p.is_floating_point()]

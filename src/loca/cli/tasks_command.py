@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'task':14} {'hub':34} template")
         for t in TASKS.values():
             print(f"{t.name:14} {str(t.hub):34} {_one_line(t.template)}")
-        print("\nuser tasks: a JSON Lines file in the shared/data schema with --template "
+        print("\nuser tasks: a JSON Lines file in loca's task schema with --template "
               "'...{question}...' (see docs/tasks.md); `loca tasks --show NAME` for details")
         return 0
     task = get_task(args.show, template=args.template)

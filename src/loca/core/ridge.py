@@ -147,7 +147,7 @@ class BlockStats:
     """The persistent Stage II statistics of a block: r² + k·r numbers, independent of d and N.
 
     ``gram`` is G = Σ p p^T (r×r). ``cross`` is Σ_batches s · Y P with Y = V_k^T E^T (k×N), so
-    that Σ ρ p^T = B G − η (U_k Σ_k) · cross (the spec's U_k M with M = Σ s Σ_k Y P; keeping Σ_k
+    that Σ ρ p^T = B G − η (U_k Σ_k) · cross (the update U_k M with M = Σ s Σ_k Y P; keeping Σ_k
     inside the stored factor ``us`` avoids dividing by small singular values).
 
     The same object can hold a stack of blocks (a leading dimension on every tensor): one batched

@@ -111,29 +111,6 @@ def score_choices(
     return out, reduce_ce(ce)
 
 
-def choice_loglik(parts: ModelParts, batches: Sequence[Batch]) -> dict[tuple[int, int], tuple[float, int]]:
-    """Summed log-likelihood of each choice's tokens after its prompt (EOS excluded), batched.
-
-    Returns ``{(source, choice): (loglik, n_chars)}`` for every sequence in ``batches``.
-    """
-    return score_choices(parts, batches)[0]
-
-
-def ranking_accuracy(
-    parts: ModelParts, batches_of_choices: Sequence[Batch], n_examples: int, labels: list[int]
-) -> dict:
-    """Ranking accuracy of the model as currently hooked: :func:`rank_choices`'s dict.
-
-    ``batches_of_choices`` hold one sequence per (example, choice), as made by
-    :func:`loca.data.encoding.encode_choices` and :func:`loca.data.batching.make_batches`;
-    every choice of every example must be present.
-    """
-    return rank_choices(choice_loglik(parts, batches_of_choices), n_examples, list(labels))
-
-
-
-
-
 def evaluate(
     parts: ModelParts,
     tokenizer,

@@ -199,30 +199,12 @@ def recovery(
 
 
 def recovery_ce(ce_frozen: float, ce_method: float, ce_lora: float, *, tol: float = RECOVERY_TOL):
-    """``R_CE`` (SPEC §5); None when flagged (see :func:`recovery`)."""
+    """``R_CE``: the share of LoRA's CE gain over the frozen model a method gets; None when flagged
+    (see :func:`recovery`)."""
     return recovery(ce_frozen, ce_method, ce_lora, higher_is_better=False, tol=tol)
 
 
 def recovery_acc(acc_frozen: float, acc_method: float, acc_lora: float, *, tol: float = RECOVERY_TOL):
-    """``R_acc`` (SPEC §5); None when flagged (see :func:`recovery`)."""
+    """``R_acc``: the share of LoRA's accuracy gain over the frozen model a method gets; None when
+    flagged (see :func:`recovery`)."""
     return recovery(acc_frozen, acc_method, acc_lora, higher_is_better=True, tol=tol)
-
-
-def format_recovery(value: float | None, digits: int = 2) -> str:
-    """A recovery ratio for printing: the number, or :data:`RECOVERY_FLAG` when flagged."""
-    return RECOVERY_FLAG if value is None else f"{value:.{digits}f}"
-
-
-def recovery_report(frozen: dict, method: dict, lora: dict, *, tol: float = RECOVERY_TOL) -> dict:
-    """``R_CE`` (from ``test_ce``) and ``R_acc`` (from ``acc``) of three :func:`evaluate` results;
-    each is a float or None, with ``*_flagged`` telling which were flagged."""
-    r_ce = recovery_ce(frozen["test_ce"], method["test_ce"], lora["test_ce"], tol=tol)
-    r_acc = recovery_acc(frozen["acc"], method["acc"], lora["acc"], tol=tol)
-    return {
-        "R_CE": r_ce,
-        "R_CE_flagged": r_ce is None,
-        "R_acc": r_acc,
-        "R_acc_flagged": r_acc is None,
-    }
-
-

@@ -1,7 +1,7 @@
 """Published architectures without their weights, for time and memory runs: ``--model
 arch:qwen2.5-7b`` is the Qwen2.5-7B config with random weights (``--random-init`` implied) and the
 SmolLM2 alias's tokenizer (its token ids are valid in every one of these vocabularies; text
-lengths are SmolLM2's). Nothing is downloaded but the SmolLM2 alias (93 MB, once).
+lengths are SmolLM2's). Nothing is downloaded but the SmolLM2 alias (once).
 
     loca bench --model arch:qwen2.5-7b --dtype bfloat16 --task boolq ...
 """

