@@ -352,6 +352,16 @@ def test_smollm2_alias_real(smollm2):
 
 
 @pytest.mark.unit
+def test_install_alias_from_a_local_gguf_checks_its_sha256(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCA_HOME", str(tmp_path / "home"))
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake.write_bytes(b"not a gguf")
+    with pytest.raises(zoo.ChecksumError, match="sha256 mismatch"):
+        zoo.install_alias_from_gguf("smollm2-135m-instruct", fake)
+    assert not zoo.alias_dir("smollm2-135m-instruct").exists()
+
+
+@pytest.mark.unit
 def test_alias_special_tokens_are_pinned_whatever_the_converter_picked():
     """The GGUF loader's choice of special tokens differs between transformers releases; the
     alias conversion sets them, and the model's config and generation config ids, explicitly."""

@@ -324,6 +324,19 @@ def _convert_into(spec: AliasSpec, gguf: Path, target: Path) -> None:
         _make_readable(tmp)
 
 
+def install_alias_from_gguf(name: str, gguf: str | Path) -> Path:
+    """Convert an alias from a GGUF file already on disk (a machine without PyPI access): the file
+    must have the alias's pinned sha256. Returns the converted folder."""
+    spec = _spec(name)
+    gguf = Path(gguf)
+    check_sha256(gguf, spec.sha256)
+    target = alias_dir(name)
+    with _file_lock(loca_home() / "locks" / f"{spec.name}.lock"):
+        if not is_complete(target, spec):
+            _convert_into(spec, gguf, target)
+    return target
+
+
 def ensure_alias(name: str) -> Path:
     """Return a folder holding the alias as an ordinary HF model, converting it on first use.
 
