@@ -69,7 +69,8 @@ def test_calibrate_fits_the_dual_ridge_and_reports_alignment(tmp_path):
     assert len(align["probe"]) == len(align["heldout"]) == len(align["random"]) == parts.num_blocks
     assert min(align["probe"]) > 0.3  # a rank-4 fit on 30 positions explains much of G
     assert max(abs(x) for x in align["random"]) < min(align["probe"])
-    assert maps.nbytes() == parts.num_blocks * 2 * 32 * 4 * 4  # factors only: 2·d·k floats per block
+    nbytes = sum(f.us.nbytes + f.v.nbytes for f in maps.factors)
+    assert nbytes == parts.num_blocks * 2 * 32 * 4 * 4  # factors only: 2·d·k floats per block
 
     maps.save_pretrained(tmp_path / "maps")
     loaded = FeedbackMaps.from_pretrained(tmp_path / "maps", parts)

@@ -1,6 +1,6 @@
 """Where examples come from: local JSON Lines files (strictly validated) or the Hugging Face hub.
 
-Local files use the schema of ``shared/data`` (one JSON object per line)::
+Local files use loca's JSON Lines schema (docs/tasks.md; one JSON object per line)::
 
     {"id": str, "question": str, "passage": str | null, "choices": [str, ...], "label": int}
 
@@ -95,7 +95,7 @@ def parse_item(obj, default_id: str) -> Example:
 
 
 def load_local(path: str | Path) -> list[Example]:
-    """Read a JSON Lines file in the shared data schema, validating every line strictly."""
+    """Read a JSON Lines file in loca's schema, validating every line strictly."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
@@ -132,10 +132,10 @@ def load_local(path: str | Path) -> list[Example]:
 def hub_row_to_example(
     task: Task | str, row: Mapping, split: str = "validation", index: int = 0
 ) -> Example:
-    """Map one hub row of a task (a registry name, or a task with a hub source) to the shared schema.
+    """Map one hub row of a task (a registry name, or a task with a hub source) to loca's schema.
 
     ``split`` is the *local* split name and ``index`` the row's position in its split; both only
-    build ids for tasks whose source has none (``<task>-<split>-<index>``, as in ``shared/data``).
+    build ids for tasks whose source has none (``<task>-<split>-<index>``, as in the local files).
     """
     name = task if isinstance(task, str) else task.name
     found = TASKS.get(task) if isinstance(task, str) else task

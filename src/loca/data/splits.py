@@ -3,7 +3,7 @@
 Policy (see ``docs/tasks.md``):
 
 - **Train pool** = the task's train split. A task without one at its source (BoolQ and HellaSwag
-  in ``shared/data``, a single user file) has its validation split *partitioned* once, by a
+  in the local copy, a single user file) has its validation split *partitioned* once, by a
   permutation with the fixed seed :data:`PARTITION_SEED`, into a train pool and a test part
   (:data:`PARTITION_TEST_FRACTION` of the items go to the test part). The partition does not
   depend on the run's seed or sizes, so every run of a task sees the same test part.

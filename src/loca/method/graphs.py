@@ -2,7 +2,7 @@
 
 Every Stage II iteration runs the same training and held-out batches through the same kernels;
 only B (and, after a re-calibration, the maps) change. On a GPU a short batch's eager pass is
-bound by the CPU issuing kernels (~40 per block), not by arithmetic, so the launches are worth
+bound by the CPU issuing kernels (dozens per block), not by arithmetic, so the launches are worth
 paying once: a batch's forward with the adapters and the recording hooks, its head error and
 adapter codes (training) or its losses (held-out) are captured as one graph on the batch's first
 pass and replayed on every later one. The graphs read A, B and the maps' V from fixed buffers:
@@ -126,7 +126,7 @@ BUCKET_BELOW = 256  # longer batches are left as they are: padding them would co
 def _prepared(batch: Batch, parts: ModelParts) -> Batch:
     """``batch`` as its graph takes it. Shorter than :data:`BUCKET_BELOW` tokens, it is padded on
     the right (masked) to a multiple of :data:`BUCKET` tokens: every new matmul shape costs a
-    one-off library heuristic (tens of ms on a GPU, paid again by the capture of an unseen shape),
+    one-off library heuristic (paid again by the capture of an unseen shape; docs/benchmarks.md),
     and padding on the right leaves the real positions' values unchanged up to rounding (masked
     keys get zero attention weight). A batch with no padding gets no mask (None), so that its
     attention takes the causal kernel, as the eager forward finds by itself."""

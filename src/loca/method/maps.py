@@ -63,11 +63,6 @@ class FeedbackMaps:
         factors = [FeedbackFactors(*p) for p in zip(us, v, strict=True)]
         return FeedbackMaps(factors, self.fingerprint, self.meta)
 
-    def nbytes(self) -> int:
-        return sum(
-            f.us.numel() * f.us.element_size() + f.v.numel() * f.v.element_size() for f in self.factors
-        )
-
     @property
     def num_blocks(self) -> int:
         return len(self.factors)
