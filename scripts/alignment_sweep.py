@@ -141,9 +141,13 @@ def nested_probes(parts, items, sizes, seed: int, micro_batch: int, pad: int):
 def run_task(args, parts, tokenizer, task_name: str) -> dict:
     task = get_task(task_name)
     splits = load_splits(
-        task, n_train=args.n_train, n_heldout=args.n_heldout, n_test=1, seed=args.seed,
+        task,
+        n_train=args.n_train,
+        n_heldout=args.n_heldout,
+        n_test=1,
+        seed=args.seed,
         data_dir=args.data_dir,
-    )  # fmt: skip
+    )
     enc = dict(max_length=args.max_length, add_eos=True)
     train = encode_examples(tokenizer, task, splits.train, **enc)
     heldout = encode_examples(tokenizer, task, splits.heldout, **enc)
@@ -161,16 +165,21 @@ def run_task(args, parts, tokenizer, task_name: str) -> dict:
     ):
         held[names[size]] = (probe, e, g)
         held_meta[names[size]] = {"items": len(probe), "positions": int(e.shape[0]), "grad_seconds": sec}
-        print(f"[{task_name}] {names[size]} probe: {len(probe)} items, {e.shape[0]} positions, {sec:.0f}s",
-              flush=True)  # fmt: skip
+        print(
+            f"[{task_name}] {names[size]} probe: {len(probe)} items, {e.shape[0]} positions, {sec:.0f}s",
+            flush=True,
+        )
 
     results = []
     gen = torch.Generator().manual_seed(args.seed)
     for size, probe, e_p, g_p, sec in nested_probes(
         parts, train, args.probe_positions, args.seed, args.micro_batch, pad
     ):
-        print(f"[{task_name}] probe >= {size}: {len(probe)} items, {e_p.shape[0]} positions "
-              f"(extra items in {sec:.0f}s)", flush=True)  # fmt: skip
+        print(
+            f"[{task_name}] probe >= {size}: {len(probe)} items, {e_p.shape[0]} positions "
+            f"(extra items in {sec:.0f}s)",
+            flush=True,
+        )
         stats = {name: token_stats(probe, h[0]) for name, h in held.items()}
         for k in args.ranks:
             rand = [random_factors(parts.hidden_size, k, gen) for _ in range(parts.num_blocks)]
@@ -180,10 +189,13 @@ def run_task(args, parts, tokenizer, task_name: str) -> dict:
                 t1 = time.perf_counter()
                 factors = feedback_factors(e_p, g_p, beta, k)
                 row = {
-                    "probe_target": size, "probe_items": len(probe), "probe_positions": int(e_p.shape[0]),
-                    "beta_rel": beta, "rank": k,
+                    "probe_target": size,
+                    "probe_items": len(probe),
+                    "probe_positions": int(e_p.shape[0]),
+                    "beta_rel": beta,
+                    "rank": k,
                     "probe": summary([alignment(f, e_p, g) for f, g in zip(factors, g_p, strict=True)]),
-                }  # fmt: skip
+                }
                 for name, (_, e_h, g_h) in held.items():
                     row[name] = summary([alignment(f, e_h, g) for f, g in zip(factors, g_h, strict=True)])
                 row["random_heldout"] = summary(rand_h)
@@ -191,8 +203,13 @@ def run_task(args, parts, tokenizer, task_name: str) -> dict:
                 row["fit_seconds"] = time.perf_counter() - t1
                 row["probe_grad_seconds_incremental"] = sec
                 results.append(row)
-    return {"task": task_name, "train_items": len(train), "heldout_items": len(heldout),
-            "heldout_probes": held_meta, "results": results}  # fmt: skip
+    return {
+        "task": task_name,
+        "train_items": len(train),
+        "heldout_items": len(heldout),
+        "heldout_probes": held_meta,
+        "results": results,
+    }
 
 
 def print_table(report: dict) -> None:

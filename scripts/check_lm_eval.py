@@ -52,14 +52,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tasks", nargs="+", default=["sst2", "arc_easy", "hellaswag", "boolq", "obqa"])
     p.add_argument("--n", type=int, default=40, help="test items per task (seeded sample)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-length", type=int, default=4096,
-                   help="loca's max_length; large enough that no prompt is truncated (lm-eval does "
-                   "not truncate below the model's context, 8192 for SmolLM2)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=4096,
+        help="loca's max_length; large enough that no prompt is truncated (lm-eval does "
+        "not truncate below the model's context, 8192 for SmolLM2)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="for loca and for HFLM")
-    p.add_argument("--float64", action="store_true",
-                   help="run the model in float64 (shows the float32 Δ loglik is rounding alone)")
-    p.add_argument("--no-harness", action="store_true",
-                   help="skip the end-to-end lm_eval.evaluator.evaluate run")
+    p.add_argument(
+        "--float64",
+        action="store_true",
+        help="run the model in float64 (shows the float32 Δ loglik is rounding alone)",
+    )
+    p.add_argument(
+        "--no-harness", action="store_true", help="skip the end-to-end lm_eval.evaluator.evaluate run"
+    )
     p.add_argument("--out", help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -78,8 +86,9 @@ def loca_side(parts, tokenizer, task, examples, max_length: int, batch_size: int
     from loca.eval.evaluation import evaluate, score_choices
     from loca.eval.metrics import rank_choices
 
-    metrics = evaluate(parts, tokenizer, task, examples, max_length=max_length,
-                       batch_size=batch_size, add_eos=task.add_eos)
+    metrics = evaluate(
+        parts, tokenizer, task, examples, max_length=max_length, batch_size=batch_size, add_eos=task.add_eos
+    )
     # the sequences evaluate() ranks: the gold one carries EOS (left out of its score), which also
     # fixes how much prompt every choice keeps when a prompt must be truncated
     labels = [ex.label for ex in examples]
@@ -87,8 +96,10 @@ def loca_side(parts, tokenizer, task, examples, max_length: int, batch_size: int
     scores, _ = score_choices(parts, make_batches(items, pad_token_id(tokenizer), batch_size), labels)
     ranking = rank_choices(scores, len(examples), labels)
     lls = [[scores[(i, c)][0] for c in range(len(ex.choices))] for i, ex in enumerate(examples)]
-    ids = {(it.source, it.choice): (list(it.prompt), list(it.completion[: len(it.completion) - it.has_eos]))
-           for it in items}
+    ids = {
+        (it.source, it.choice): (list(it.prompt), list(it.completion[: len(it.completion) - it.has_eos]))
+        for it in items
+    }
     return {"metrics": metrics, "ranking": ranking, "lls": lls, "ids": ids}
 
 
@@ -105,8 +116,15 @@ def lm_eval_by_hand(lm, task, examples) -> dict:
         ctx = task.prompt(ex)
         doc = {"id": ex.id, "prompt": ctx, "choices": choice_texts(ex), "label": ex.label}
         for c, text in enumerate(choice_texts(ex)):
-            requests.append(Instance(request_type="loglikelihood", doc=doc, arguments=(ctx, " " + text),
-                                     idx=c, metadata=(task.name, i, 1)))
+            requests.append(
+                Instance(
+                    request_type="loglikelihood",
+                    doc=doc,
+                    arguments=(ctx, " " + text),
+                    idx=c,
+                    metadata=(task.name, i, 1),
+                )
+            )
             where.append((i, c))
     results = lm.loglikelihood(requests, disable_tqdm=True)
     lls: list[list[float]] = [[math.nan] * len(ex.choices) for ex in examples]
@@ -142,8 +160,10 @@ def lm_eval_end_to_end(lm, task, examples) -> dict:
     from lm_eval.api.task import ConfigurableTask
     from lm_eval.evaluator import evaluate as harness_evaluate
 
-    docs = [{"id": ex.id, "prompt": task.prompt(ex), "choices": choice_texts(ex), "label": ex.label}
-            for ex in examples]
+    docs = [
+        {"id": ex.id, "prompt": task.prompt(ex), "choices": choice_texts(ex), "label": ex.label}
+        for ex in examples
+    ]
     name = f"loca_{task.name}"
     config = {
         "task": name,
@@ -154,11 +174,17 @@ def lm_eval_end_to_end(lm, task, examples) -> dict:
         "doc_to_choice": "choices",
         "doc_to_target": "label",
         "target_delimiter": " ",
-        "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
-                        for m in ("acc", "acc_norm")],
+        "metric_list": [
+            {"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")
+        ],
     }
-    out = harness_evaluate(lm=lm, task_dict={name: ConfigurableTask(config=config)},
-                           log_samples=True, bootstrap_iters=100000, verbosity="ERROR")
+    out = harness_evaluate(
+        lm=lm,
+        task_dict={name: ConfigurableTask(config=config)},
+        log_samples=True,
+        bootstrap_iters=100000,
+        verbosity="ERROR",
+    )
     res = out["results"][name]
     samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
     if [s["doc"]["id"] for s in samples] != [ex.id for ex in examples]:
@@ -188,8 +214,12 @@ def token_check_all(lm, tokenizer, task, data_dir, max_length: int) -> dict:
         completion = list(it.completion[: len(it.completion) - it.has_eos])
         if (list(it.prompt), completion) != (list(ctx), list(cont)):
             differ.append((ex.id, it.choice))
-    return {"n_items": len(examples), "n_sequences": len(items), "differ": len(differ),
-            "first_differing": differ[:5]}
+    return {
+        "n_items": len(examples),
+        "n_sequences": len(items),
+        "differ": len(differ),
+        "first_differing": differ[:5],
+    }
 
 
 # --- comparison ------------------------------------------------------------------------------
@@ -204,9 +234,12 @@ def summary(res: dict) -> dict:
 
 
 def same_numbers(a: dict, b: dict) -> bool:
-    return (a["acc"] == b["acc"] and a["acc_norm"] == b["acc_norm"]
-            and abs(a["acc_stderr"] - b["acc_stderr"]) <= TOL_STDERR
-            and abs(a["acc_norm_stderr"] - b["acc_norm_stderr"]) <= TOL_STDERR)
+    return (
+        a["acc"] == b["acc"]
+        and a["acc_norm"] == b["acc_norm"]
+        and abs(a["acc_stderr"] - b["acc_stderr"]) <= TOL_STDERR
+        and abs(a["acc_norm_stderr"] - b["acc_norm_stderr"]) <= TOL_STDERR
+    )
 
 
 def compare_task(parts, lm, tokenizer, task_name: str, args) -> dict:
@@ -224,18 +257,26 @@ def compare_task(parts, lm, tokenizer, task_name: str, args) -> dict:
     token_diff = [k for k in keys if loca["ids"][k] != hand["ids"][k]]
     first = keys[0]
     example_ids = {
-        "item": examples[first[0]].id, "choice": first[1],
+        "item": examples[first[0]].id,
+        "choice": first[1],
         "prompt": task.prompt(examples[first[0]])[-80:],
         "completion": task.completion(examples[first[0]], first[1]),
-        "loca_prompt_tail": loca["ids"][first][0][-8:], "loca_completion": loca["ids"][first][1],
-        "lm_eval_context_tail": hand["ids"][first][0][-8:], "lm_eval_continuation": hand["ids"][first][1],
-        "loca_prompt_len": len(loca["ids"][first][0]), "lm_eval_context_len": len(hand["ids"][first][0]),
+        "loca_prompt_tail": loca["ids"][first][0][-8:],
+        "loca_completion": loca["ids"][first][1],
+        "lm_eval_context_tail": hand["ids"][first][0][-8:],
+        "lm_eval_continuation": hand["ids"][first][1],
+        "loca_prompt_len": len(loca["ids"][first][0]),
+        "lm_eval_context_len": len(hand["ids"][first][0]),
     }
     mismatch = None
     if token_diff:
         k = token_diff[0]
-        mismatch = {"item": examples[k[0]].id, "choice": k[1],
-                    "loca": loca["ids"][k], "lm_eval": hand["ids"][k]}
+        mismatch = {
+            "item": examples[k[0]].id,
+            "choice": k[1],
+            "loca": loca["ids"][k],
+            "lm_eval": hand["ids"][k],
+        }
 
     ranking = loca["ranking"]
     loca_numbers = summary(loca["metrics"])
@@ -249,10 +290,14 @@ def compare_task(parts, lm, tokenizer, task_name: str, args) -> dict:
         "token_example": example_ids,
         "token_mismatch": mismatch,
         "max_abs_dloglik": max_abs_diff(loca["lls"], hand["lls"]),
-        "acc_pred_differs": [examples[i].id for i in range(len(examples))
-                             if float(ranking["correct"][i]) != hand["correct"][i]],
-        "acc_norm_pred_differs": [examples[i].id for i in range(len(examples))
-                                  if float(ranking["correct_norm"][i]) != hand["correct_norm"][i]],
+        "acc_pred_differs": [
+            examples[i].id for i in range(len(examples)) if float(ranking["correct"][i]) != hand["correct"][i]
+        ],
+        "acc_norm_pred_differs": [
+            examples[i].id
+            for i in range(len(examples))
+            if float(ranking["correct_norm"][i]) != hand["correct_norm"][i]
+        ],
         "loca": loca_numbers,
         "loca_score_choices_matches_evaluate": same_numbers(loca_numbers, ranking),
         "lm_eval": summary(hand),
@@ -263,29 +308,37 @@ def compare_task(parts, lm, tokenizer, task_name: str, args) -> dict:
         out["lm_eval_harness"] = summary(harness)
         out["harness_max_abs_dloglik"] = max_abs_diff(loca["lls"], harness["lls"])
         out["harness_equal"] = same_numbers(loca_numbers, harness)
-        out["harness_per_item_equal"] = (harness["correct"] == hand["correct"]
-                                         and harness["correct_norm"] == hand["correct_norm"])
+        out["harness_per_item_equal"] = (
+            harness["correct"] == hand["correct"] and harness["correct_norm"] == hand["correct_norm"]
+        )
     out["seconds"] = round(time.time() - t0, 1)
     return out
 
 
 def print_row(r: dict) -> None:
     lo, le = r["loca"], r["lm_eval"]
-    print(f"{r['task']:<10} n={r['n_items']:<4} choices={r['n_choices']:<4} "
-          f"tok_diff={r['token_ids_differ']:<3} "
-          f"max|Δll|={r['max_abs_dloglik']:.2e}  pred_diff acc/norm={len(r['acc_pred_differs'])}/"
-          f"{len(r['acc_norm_pred_differs'])}")
+    print(
+        f"{r['task']:<10} n={r['n_items']:<4} choices={r['n_choices']:<4} "
+        f"tok_diff={r['token_ids_differ']:<3} "
+        f"max|Δll|={r['max_abs_dloglik']:.2e}  pred_diff acc/norm={len(r['acc_pred_differs'])}/"
+        f"{len(r['acc_norm_pred_differs'])}"
+    )
     t = r["token_check_whole_test_split"]
     print(f"    token ids over the whole test split: {t['differ']} of {t['n_sequences']} sequences differ")
-    for name, m in (("loca", lo), ("lm-eval", le)) + ((("harness", r["lm_eval_harness"]),)
-                                                     if "lm_eval_harness" in r else ()):
-        print(f"    {name:<8} acc {m['acc']:.4f} ± {m['acc_stderr']:.6f}   "
-              f"acc_norm {m['acc_norm']:.4f} ± {m['acc_norm_stderr']:.6f}")
+    for name, m in (("loca", lo), ("lm-eval", le)) + (
+        (("harness", r["lm_eval_harness"]),) if "lm_eval_harness" in r else ()
+    ):
+        print(
+            f"    {name:<8} acc {m['acc']:.4f} ± {m['acc_stderr']:.6f}   "
+            f"acc_norm {m['acc_norm']:.4f} ± {m['acc_norm_stderr']:.6f}"
+        )
     print(f"    equal: {r['equal']}" + (f"  (harness: {r['harness_equal']})" if "harness_equal" in r else ""))
     ex = r["token_example"]
-    print(f"    tokens of {ex['item']} choice {ex['choice']} ({ex['completion']!r}): "
-          f"loca prompt[-8:] {ex['loca_prompt_tail']} + {ex['loca_completion']} | "
-          f"lm-eval context[-8:] {ex['lm_eval_context_tail']} + {ex['lm_eval_continuation']}")
+    print(
+        f"    tokens of {ex['item']} choice {ex['choice']} ({ex['completion']!r}): "
+        f"loca prompt[-8:] {ex['loca_prompt_tail']} + {ex['loca_completion']} | "
+        f"lm-eval context[-8:] {ex['lm_eval_context_tail']} + {ex['lm_eval_continuation']}"
+    )
     if r["token_mismatch"]:
         print(f"    first token mismatch: {r['token_mismatch']}")
 
@@ -313,15 +366,27 @@ def main(argv=None) -> int:
     all_equal = all(r["equal"] and r.get("harness_equal", True) for r in rows)
     result = {
         "settings": {
-            "model": args.model, "data_dir": args.data_dir, "tasks": args.tasks, "n": args.n,
-            "seed": args.seed, "loca_max_length": args.max_length, "batch_size": args.batch_size,
-            "device": "cpu", "dtype": str(next(model.parameters()).dtype),
-            "lm_eval_max_length": lm.max_length, "lm_eval_add_bos_token": lm.add_bos_token,
-            "tokenizer_bos": tokenizer.bos_token, "tol_stderr": TOL_STDERR, "tol_loglik": TOL_LOGLIK,
+            "model": args.model,
+            "data_dir": args.data_dir,
+            "tasks": args.tasks,
+            "n": args.n,
+            "seed": args.seed,
+            "loca_max_length": args.max_length,
+            "batch_size": args.batch_size,
+            "device": "cpu",
+            "dtype": str(next(model.parameters()).dtype),
+            "lm_eval_max_length": lm.max_length,
+            "lm_eval_add_bos_token": lm.add_bos_token,
+            "tokenizer_bos": tokenizer.bos_token,
+            "tol_stderr": TOL_STDERR,
+            "tol_loglik": TOL_LOGLIK,
         },
-        "versions": {"lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
-                     "torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
+        "versions": {
+            "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
         "all_equal": all_equal,
         "max_abs_dloglik": max(r["max_abs_dloglik"] for r in rows),
         "tasks": rows,

@@ -81,10 +81,12 @@ def probe(parts, items, pad, synthetic: int = 0, vocab: torch.Tensor | None = No
         try:
             with torch.enable_grad():
                 embeds = parts.model.get_input_embeddings()(batch.input_ids).detach().requires_grad_(True)
-                hn = parts.final_hidden(batch.input_ids, batch.attention_mask, batch.pos_b, batch.pos_t,
-                                        inputs_embeds=embeds)  # fmt: skip
-                _, e = head_loss_and_error(hn.detach(), parts.head.weight, parts.head.bias, batch.targets,
-                                           parts.transform)  # fmt: skip
+                hn = parts.final_hidden(
+                    batch.input_ids, batch.attention_mask, batch.pos_b, batch.pos_t, inputs_embeds=embeds
+                )
+                _, e = head_loss_and_error(
+                    hn.detach(), parts.head.weight, parts.head.bias, batch.targets, parts.transform
+                )
                 errors = [e.float()]
                 for _ in range(synthetic):
                     j = vocab[torch.randint(len(vocab), (len(batch.targets),), generator=gen)]
@@ -112,8 +114,11 @@ def scores(predict, e, g, h, seed):
         per_pos.append(cos(pred, g[l]))
         p = h[l].double() @ adapter_a(seed, l, 32, d).double().T
         update.append(cos(pred.T @ p, g[l].double().T @ p))
-    return {"alignment": statistics.median(per_pos), "update": statistics.median(update),
-            "per_block": per_pos}  # fmt: skip
+    return {
+        "alignment": statistics.median(per_pos),
+        "update": statistics.median(update),
+        "per_block": per_pos,
+    }
 
 
 def linear(factors):
@@ -147,8 +152,9 @@ def main(argv=None):
     parts = find_parts(model)
     model.eval()
     task = get_task(args.task)
-    splits = load_splits(task, n_train=args.n_train, n_heldout=args.n_heldout, n_test=1, seed=args.seed,
-                         data_dir=args.data_dir)  # fmt: skip
+    splits = load_splits(
+        task, n_train=args.n_train, n_heldout=args.n_heldout, n_test=1, seed=args.seed, data_dir=args.data_dir
+    )
     enc = dict(max_length=256, add_eos=True)
     train = encode_examples(tok, task, splits.train, **enc)
     held = encode_examples(tok, task, splits.heldout, **enc)
@@ -165,8 +171,11 @@ def main(argv=None):
     batches = [make_batches(x, pad, cfg.batch_size) for x in (train, held)]
     with torch.no_grad():
         res = fit(parts, maps, *batches, cfg, progress=False)
-    print(f"fit: held-out CE {res.frozen_heldout_ce:.3f} -> {res.heldout_ce:.3f} (iteration "
-          f"{res.best_iteration})", flush=True)  # fmt: skip
+    print(
+        f"fit: held-out CE {res.frozen_heldout_ce:.3f} -> {res.heldout_ce:.3f} (iteration "
+        f"{res.best_iteration})",
+        flush=True,
+    )
     [(he1, hg1)], hh1 = probe(parts, hpr, pad)
     pe1, pg1 = probe(parts, pr, pad)[0][0]
     res.adapters.detach()
@@ -184,14 +193,24 @@ def main(argv=None):
     pe, pg, _ = _pooled([pool[0], (pe1, list(pg1), torch.zeros(len(pe1)))])
     maps_by["B = 0 pooled with the fitted state (2 rounds)"] = linear(feedback_factors(pe, pg, beta, k))
     maps_by["state kernel h^4 at B = 0 (credit_study.py)"] = state_kernel(e0, g0, hp0)
-    report = {"config": vars(args), "fit": {"frozen": res.frozen_heldout_ce, "heldout_ce": res.heldout_ce,
-              "best_iteration": res.best_iteration}, "maps": {}}  # fmt: skip
+    report = {
+        "config": vars(args),
+        "fit": {
+            "frozen": res.frozen_heldout_ce,
+            "heldout_ce": res.heldout_ce,
+            "best_iteration": res.best_iteration,
+        },
+        "maps": {},
+    }
     for name, predict in maps_by.items():
         at0 = scores(predict, he0, hg0, hh0, args.seed)
         at1 = scores(predict, he1, hg1, hh1, args.seed)
         report["maps"][name] = {"heldout_B0": at0, "heldout_fitted": at1}
-        print(f"{name:<36} B=0: align {at0['alignment']:+.3f} update {at0['update']:+.3f} | fitted: align "
-              f"{at1['alignment']:+.3f} update {at1['update']:+.3f}", flush=True)  # fmt: skip
+        print(
+            f"{name:<36} B=0: align {at0['alignment']:+.3f} update {at0['update']:+.3f} | fitted: align "
+            f"{at1['alignment']:+.3f} update {at1['update']:+.3f}",
+            flush=True,
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -117,8 +117,14 @@ def main(argv=None):
         parts = find_parts(model)
         model.eval()
         task = get_task(args.task)
-        splits = load_splits(task, n_train=args.n_train, n_heldout=args.n_heldout, n_test=1, seed=args.seed,
-                             data_dir=args.data_dir)  # fmt: skip
+        splits = load_splits(
+            task,
+            n_train=args.n_train,
+            n_heldout=args.n_heldout,
+            n_test=1,
+            seed=args.seed,
+            data_dir=args.data_dir,
+        )
         enc = dict(max_length=args.max_length, add_eos=True)
         train = encode_examples(tok, task, splits.train, **enc)
         held = encode_examples(tok, task, splits.heldout, **enc)
@@ -126,10 +132,15 @@ def main(argv=None):
         t0 = time.perf_counter()
         probe = select_probe(train, args.probe_positions, args.seed)
         hprobe = select_probe(held, args.heldout_positions, args.seed + 1)
-        data = {"probe": collect(parts, probe, pad, args.micro_batch),
-                "heldout": collect(parts, hprobe, pad, args.micro_batch)}  # fmt: skip
-        print(f"collected in {time.perf_counter() - t0:.0f}s: {data['probe']['e'].shape[0]} / "
-              f"{data['heldout']['e'].shape[0]} positions", flush=True)  # fmt: skip
+        data = {
+            "probe": collect(parts, probe, pad, args.micro_batch),
+            "heldout": collect(parts, hprobe, pad, args.micro_batch),
+        }
+        print(
+            f"collected in {time.perf_counter() - t0:.0f}s: {data['probe']['e'].shape[0]} / "
+            f"{data['heldout']['e'].shape[0]} positions",
+            flush=True,
+        )
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, cache)
     report = evaluate(data, args.seed, args.only)
@@ -194,8 +205,11 @@ def evaluate(data, seed, only=None):
             f"{k}_per_block": v for k, v in rows.items()
         }
         r = variants[name]
-        print(f"{name:<40} heldout {r['heldout_median']:+.3f}  update {r['update_median']:+.3f}  "
-              f"step {r['step_median']:+.3f}  probe {r['probe_median']:+.3f}", flush=True)  # fmt: skip
+        print(
+            f"{name:<40} heldout {r['heldout_median']:+.3f}  update {r['update_median']:+.3f}  "
+            f"step {r['step_median']:+.3f}  probe {r['probe_median']:+.3f}",
+            flush=True,
+        )
 
     for beta in (0.1, 1.0, 10.0):
         score(

@@ -20,8 +20,13 @@ from pathlib import Path
 from loca.cli.main import main as loca
 from loca.infra.plotting import panel_grid, plt
 
-PRESETS = {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62,
-           "qwen2.5-14b": 14.8}  # billions of parameters
+PRESETS = {
+    "qwen2.5-0.5b": 0.49,
+    "qwen2.5-1.5b": 1.54,
+    "qwen2.5-3b": 3.09,
+    "qwen2.5-7b": 7.62,
+    "qwen2.5-14b": 14.8,
+}  # billions of parameters
 LENGTHS = (32, 64, 128, 256, 512, 1024)
 FULL = "forward,backbone,calibrate,stage2,stage2-eager,full-run,lora"
 LIGHT = "forward,backbone,stage2,stage2-eager"
@@ -47,11 +52,18 @@ COLUMNS = {  # summary key -> (column, numerator, denominator, task, measure)
     "stage2_over_forward_boolq": ("stage2 / forward, BoolQ", "stage2", "forward", "boolq", "time"),
     "stage2_eager_over_forward_boolq": ("(eager)", "stage2-eager", "forward", "boolq", "time"),
     "stage2_over_lora": ("stage2 / LoRA epoch (BoolQ)", "stage2", "lora", "boolq", "time"),
-    "stage2_eager_peak_over_backbone": ("stage2-eager peak / backbone peak (BoolQ)", "stage2-eager",
-                                        "backbone", "boolq", "peak_mb"),
-}  # fmt: skip
-PAIRED = {"stage2_over_forward_sst2": "stage2_eager_over_forward_sst2",  # shown as "graphs (eager)"
-          "stage2_over_forward_boolq": "stage2_eager_over_forward_boolq"}  # fmt: skip
+    "stage2_eager_peak_over_backbone": (
+        "stage2-eager peak / backbone peak (BoolQ)",
+        "stage2-eager",
+        "backbone",
+        "boolq",
+        "peak_mb",
+    ),
+}
+PAIRED = {
+    "stage2_over_forward_sst2": "stage2_eager_over_forward_sst2",  # shown as "graphs (eager)"
+    "stage2_over_forward_boolq": "stage2_eager_over_forward_boolq",
+}
 
 
 def fmt(x: float | None) -> str:
@@ -126,16 +138,42 @@ def main() -> None:
             folder = out / f"{preset}-{task}"
             if args.summary_only and not (folder / "bench.json").is_file():
                 continue
-            argv = ["--model", f"arch:{preset}", "--task", task, "--data-dir", args.data_dir, "--n-train",
-                    args.n_train, "--phases", phases, "--repeats", repeats, *COMMON]  # fmt: skip
+            argv = [
+                "--model",
+                f"arch:{preset}",
+                "--task",
+                task,
+                "--data-dir",
+                args.data_dir,
+                "--n-train",
+                args.n_train,
+                "--phases",
+                phases,
+                "--repeats",
+                repeats,
+                *COMMON,
+            ]
             points[(preset, task)] = bench(folder, argv)
     lengths = {}
     for length in LENGTHS:
         folder = out / f"len-{length}"
         if args.summary_only and not (folder / "bench.json").is_file():
             continue
-        argv = ["--model", "arch:qwen2.5-1.5b", "--task", "sst2", "--synthetic-length", str(length),
-                "--n-train", "64", "--phases", LIGHT, "--repeats", "3", *COMMON]  # fmt: skip
+        argv = [
+            "--model",
+            "arch:qwen2.5-1.5b",
+            "--task",
+            "sst2",
+            "--synthetic-length",
+            str(length),
+            "--n-train",
+            "64",
+            "--phases",
+            LIGHT,
+            "--repeats",
+            "3",
+            *COMMON,
+        ]
         lengths[length] = bench(folder, argv)
     summary = summarise(points)
     lines = table(summary, lambda row, key: fmt(row[key]))
@@ -146,8 +184,14 @@ def main() -> None:
     fig, axes = panel_grid(3)
     size = [PRESETS[p] for p in PRESETS if (p, "boolq") in points]
     rows = [points[(p, "boolq")]["rows"] for p in PRESETS if (p, "boolq") in points]
-    for phase, style in (("forward", "o--"), ("backbone", "x--"), ("stage2", "s-"), ("stage2-eager", "s:"),
-                         ("full-run", "d-"), ("lora", "^-")):  # fmt: skip
+    for phase, style in (
+        ("forward", "o--"),
+        ("backbone", "x--"),
+        ("stage2", "s-"),
+        ("stage2-eager", "s:"),
+        ("full-run", "d-"),
+        ("lora", "^-"),
+    ):
         axes[0].plot(size, [r[phase]["time_s"] / r["forward"]["time_s"] for r in rows], style, label=phase)
         axes[1].plot(size, [r[phase]["peak_mb"] / 1024 for r in rows], style, label=phase)
     panels = ((axes[0], "time / plain forward"), (axes[1], "peak memory beyond the model (GB)"))

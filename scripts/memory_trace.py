@@ -27,8 +27,11 @@ MB = 2.0**20
 
 def where(frames: list[dict], depth: int = 3) -> str:
     """The innermost ``depth`` frames in loca or the model's code, as ``file:line:function``."""
-    ours = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames
-            if "/loca/" in f["filename"] or "/transformers/models/" in f["filename"]]  # fmt: skip
+    ours = [
+        f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
+        for f in frames
+        if "/loca/" in f["filename"] or "/transformers/models/" in f["filename"]
+    ]
     return " < ".join(ours[:depth]) or "?"
 
 
@@ -92,8 +95,14 @@ def main() -> None:
         for site, mb in list(t["sites_mb"].items())[: args.top]:
             print(f"  {mb:8.2f} MB  {site}")
     if args.out:
-        setup = {"model": args.model, "task": args.task, "n_train": args.n_train, "dtype": args.dtype,
-                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
+        setup = {
+            "model": args.model,
+            "task": args.task,
+            "n_train": args.n_train,
+            "dtype": args.dtype,
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+        }
         Path(args.out).write_text(json.dumps({"setup": setup, "phases": traces}, indent=2) + "\n")
 
 

@@ -23,16 +23,39 @@ LENGTHS = [("boolq", 32, length) for length in (64, 128, 256, 512)]
 def point(out: Path, model: str, data_dir: str, task: str, n: int, length: int, extra: list[str]) -> dict:
     folder = out / "runs" / f"{task}-n{n}-len{length}"
     if not (folder / "bench.json").is_file():
-        argv = ["bench", "--model", model, "--task", task, "--data-dir", data_dir, "--n-train", str(n),
-                "--max-length", str(length), "--phases", "forward,stage2", "--repeats", "2", "--quiet",
-                "--out", str(folder), *extra]  # fmt: skip
+        argv = [
+            "bench",
+            "--model",
+            model,
+            "--task",
+            task,
+            "--data-dir",
+            data_dir,
+            "--n-train",
+            str(n),
+            "--max-length",
+            str(length),
+            "--phases",
+            "forward,stage2",
+            "--repeats",
+            "2",
+            "--quiet",
+            "--out",
+            str(folder),
+            *extra,
+        ]
         if loca(argv) != 0:
             raise SystemExit(f"loca bench failed for {folder.name}")
     report = json.loads((folder / "bench.json").read_text())
     rows = {r["phase"]: r for r in report["rows"]}
-    return {"task": task, "sequences": n, "max_length": length, "tokens": report["setup"]["tokens"],
-            "statistics_bytes": report["statistics_bytes"]["stage2_statistics"],
-            **{f"{p}_{k}": rows[p][k] for p in rows for k in ("time_s", "peak_mb")}}  # fmt: skip
+    return {
+        "task": task,
+        "sequences": n,
+        "max_length": length,
+        "tokens": report["setup"]["tokens"],
+        "statistics_bytes": report["statistics_bytes"]["stage2_statistics"],
+        **{f"{p}_{k}": rows[p][k] for p in rows for k in ("time_s", "peak_mb")},
+    }
 
 
 def main() -> None:

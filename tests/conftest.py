@@ -20,9 +20,7 @@ except ModuleNotFoundError:
 
 
 def pytest_addoption(parser):
-    parser.addoption(
-        "--run-slow", action="store_true", help="also run tests marked slow (real models)"
-    )
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow (real models)")
 
 
 KINDS = ("unit", "integration")

@@ -155,11 +155,25 @@ def test_runs_are_deterministic_and_credits_differ():
 @pytest.mark.unit
 def test_settings_validate():
     assert AdapterBpSettings().to_dict() == {
-        "lrs": [1e-4, 3e-4], "epochs": 3, "eval_every": 16, "weight_decay": 0.0, "grad_clip": 1.0,
-        "credit": "all", "rank": 32, "a_init": "random", "seed": 0,
-    }  # fmt: skip
-    for bad in ({"lrs": []}, {"lrs": [-1.0]}, {"epochs": 0}, {"eval_every": 0}, {"credit": "some"},
-                {"a_init": "pca"}, {"grad_clip": -1.0}):  # fmt: skip
+        "lrs": [1e-4, 3e-4],
+        "epochs": 3,
+        "eval_every": 16,
+        "weight_decay": 0.0,
+        "grad_clip": 1.0,
+        "credit": "all",
+        "rank": 32,
+        "a_init": "random",
+        "seed": 0,
+    }
+    for bad in (
+        {"lrs": []},
+        {"lrs": [-1.0]},
+        {"epochs": 0},
+        {"eval_every": 0},
+        {"credit": "some"},
+        {"a_init": "pca"},
+        {"grad_clip": -1.0},
+    ):
         with pytest.raises(ValueError, match="invalid AdapterBpSettings"):
             AdapterBpSettings(**bad)
     with pytest.raises(ValueError, match="unknown"):

@@ -34,7 +34,7 @@ LAYERS = {
         "pipeline",
         "bench",
         "compare",
-    },  # fmt: skip
+    },
 }
 
 

@@ -36,10 +36,32 @@ def test_a_known_allocation_shows_and_phases_are_isolated():
 def test_every_phase_runs_and_the_table_has_its_ratios(tmp_path):
     root = save_model_and_task(tmp_path, 60)
     out = tmp_path / "bench"
-    argv = ["bench", "--model", str(root / "model"), "--task", str(root / "task.jsonl"), "--template",
-            SENTIMENT_TEMPLATE, "--device", "cpu", "--rank", "4", "--feedback-rank", "4", "--n-train", "16",
-            "--phases", "forward,stage2,full-run,lora,adapter-mezo,mezo", "--repeats", "1",
-            "--full-run-iters", "2", "--quiet", "--out", str(out)]  # fmt: skip
+    argv = [
+        "bench",
+        "--model",
+        str(root / "model"),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        SENTIMENT_TEMPLATE,
+        "--device",
+        "cpu",
+        "--rank",
+        "4",
+        "--feedback-rank",
+        "4",
+        "--n-train",
+        "16",
+        "--phases",
+        "forward,stage2,full-run,lora,adapter-mezo,mezo",
+        "--repeats",
+        "1",
+        "--full-run-iters",
+        "2",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     report = json.loads((out / "bench.json").read_text())
     phases = ["forward", "stage2", "full-run", "lora", "adapter-mezo", "mezo"]
@@ -56,10 +78,30 @@ def test_every_phase_runs_and_the_table_has_its_ratios(tmp_path):
 def test_synthetic_lengths_give_batches_of_exactly_that_length(tmp_path):
     root = save_model_and_task(tmp_path, 10)  # the built-in task's data is never read
     out = tmp_path / "bench"
-    argv = ["bench", "--model", str(root / "model"), "--task", "sst2", "--device", "cpu",
-            "--rank", "4", "--feedback-rank", "4", "--n-train", "12", "--synthetic-length", "20",
-            "--phases", "forward,stage2,stage2-eager", "--repeats", "1", "--quiet",
-            "--out", str(out)]  # fmt: skip
+    argv = [
+        "bench",
+        "--model",
+        str(root / "model"),
+        "--task",
+        "sst2",
+        "--device",
+        "cpu",
+        "--rank",
+        "4",
+        "--feedback-rank",
+        "4",
+        "--n-train",
+        "12",
+        "--synthetic-length",
+        "20",
+        "--phases",
+        "forward,stage2,stage2-eager",
+        "--repeats",
+        "1",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     setup = json.loads((out / "bench.json").read_text())["setup"]
     assert setup["tokens"] == 12 * 20 and setup["sequences"] == 12 and setup["synthetic_length"] == 20

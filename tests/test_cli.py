@@ -49,8 +49,21 @@ def test_fit_writes_config_history_results_adapter_and_maps(setup, capsys):
 def test_calibrate_then_forward_only_fit_then_evaluate(setup):
     root, common = setup
     assert (
-        main(["calibrate", *common[:-4], "--feedback-rank", "4", "--n-train", "16", "--n-heldout", "8",
-              "--out", str(root / "maps")]) == 0
+        main(
+            [
+                "calibrate",
+                *common[:-4],
+                "--feedback-rank",
+                "4",
+                "--n-train",
+                "16",
+                "--n-heldout",
+                "8",
+                "--out",
+                str(root / "maps"),
+            ]
+        )
+        == 0
     )
     out = root / "fit2"
     stage2 = common[:-2]  # without --feedback-rank 4
@@ -77,8 +90,20 @@ def test_maps_from_another_checkpoint_are_refused(setup, capsys):
     other.save_pretrained(root / "other")
     tiny_tokenizer().save_pretrained(root / "other")
     if not (root / "maps").exists():
-        main(["calibrate", *common[:-4], "--feedback-rank", "4", "--n-train", "16", "--n-heldout", "8",
-              "--out", str(root / "maps")])
+        main(
+            [
+                "calibrate",
+                *common[:-4],
+                "--feedback-rank",
+                "4",
+                "--n-train",
+                "16",
+                "--n-heldout",
+                "8",
+                "--out",
+                str(root / "maps"),
+            ]
+        )
     args = ["fit", "--model", str(root / "other"), *common[2:-2], "--maps", str(root / "maps")]
     assert main([*args, "--n-train", "16", "--n-heldout", "8", "--n-test", "4", "--quiet"]) == 2
     assert "another checkpoint" in capsys.readouterr().err
@@ -121,8 +146,16 @@ def test_random_init_needs_only_config_and_tokenizer(setup, tmp_path):
 def test_a_missing_model_is_a_clear_error(tmp_path, capsys):
     rows = [{"id": f"x{i}", "question": f"q {i}", "choices": ["a", "b"], "label": i % 2} for i in range(40)]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = ["--task", str(tmp_path / "t.jsonl"), "--template", "{question}", "--n-test", "4",
-            "--n-heldout", "4"]  # fmt: skip
+    data = [
+        "--task",
+        str(tmp_path / "t.jsonl"),
+        "--template",
+        "{question}",
+        "--n-test",
+        "4",
+        "--n-heldout",
+        "4",
+    ]
     assert main(["fit", "--model", str(tmp_path / "nowhere"), *data, "--quiet", "--n-train", "4"]) == 2
     assert "could not load model" in capsys.readouterr().err
 
@@ -151,8 +184,17 @@ def test_generate_with_and_without_adapters(setup, capsys):
     assert main(["generate", *model, "--prompt", "Review: a charming journey", "--max-new-tokens", "5"]) == 0
     frozen = capsys.readouterr().out
     assert frozen.startswith("[frozen] ")
-    argv = ["generate", *model, "--prompt", "Review: a charming journey", "--max-new-tokens", "5",
-            "--adapter", str(out / "adapter"), "--compare"]  # fmt: skip
+    argv = [
+        "generate",
+        *model,
+        "--prompt",
+        "Review: a charming journey",
+        "--max-new-tokens",
+        "5",
+        "--adapter",
+        str(out / "adapter"),
+        "--compare",
+    ]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("[loca] ") and lines[1] == frozen.strip()

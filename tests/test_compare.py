@@ -27,13 +27,52 @@ def setup(tmp_path_factory):
     for split, n in (("train", 80), ("validation", 30)):
         write_sentiment_task(root / "data" / "sst2" / f"{split}.jsonl", n, rng, id_prefix=f"{split}-")
     args = [
-        "compare", "--model", str(root / "model"), "--data-dir", str(root / "data"), "--device", "cpu",
-        "--tasks", "sst2", "--seeds", "0", "1", "--n-train", "24", "--n-heldout", "8", "--n-test", "12",
-        "--rank", "4", "--feedback-rank", "4", "--max-iters", "2", "--etas", "0.01", "0.03",
-        "--lora-rank", "4", "--lora-alpha", "8", "--lora-epochs", "2", "--lora-lrs", "1e-3",
-        "--mezo-max-steps", "6", "--mezo-eval-every", "3", "--full-mezo-max-steps", "4",
-        "--full-mezo-eval-every", "2", "--methods", *METHODS,
-    ]  # fmt: skip
+        "compare",
+        "--model",
+        str(root / "model"),
+        "--data-dir",
+        str(root / "data"),
+        "--device",
+        "cpu",
+        "--tasks",
+        "sst2",
+        "--seeds",
+        "0",
+        "1",
+        "--n-train",
+        "24",
+        "--n-heldout",
+        "8",
+        "--n-test",
+        "12",
+        "--rank",
+        "4",
+        "--feedback-rank",
+        "4",
+        "--max-iters",
+        "2",
+        "--etas",
+        "0.01",
+        "0.03",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--lora-epochs",
+        "2",
+        "--lora-lrs",
+        "1e-3",
+        "--mezo-max-steps",
+        "6",
+        "--mezo-eval-every",
+        "3",
+        "--full-mezo-max-steps",
+        "4",
+        "--full-mezo-eval-every",
+        "2",
+        "--methods",
+        *METHODS,
+    ]
     return root, args
 
 
@@ -42,8 +81,15 @@ def test_compare_writes_every_file_and_resumes(setup, capsys):
     root, args = setup
     out = root / "run"
     assert main([*args, "--out", str(out)]) == 0
-    for name in ("config.json", "results.json", "results.csv", "table.md", "heldout_vs_time.png",
-                 "heldout_vs_steps.png", "accuracy.png"):  # fmt: skip
+    for name in (
+        "config.json",
+        "results.json",
+        "results.csv",
+        "table.md",
+        "heldout_vs_time.png",
+        "heldout_vs_steps.png",
+        "accuracy.png",
+    ):
         assert (out / name).is_file(), name
     cells = {p.stem: p for p in (out / "cells" / "sst2" / "seed0").glob("*.json")}
     assert sorted(cells) == sorted(METHODS)
@@ -53,8 +99,18 @@ def test_compare_writes_every_file_and_resumes(setup, capsys):
     with open(out / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     for r in rows:
-        assert {"test_ce", "test_ce_stderr", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr",
-                "best_step", "time_to_best_s", "fit_wall_time_s", "peak_memory_mb"} <= r.keys()  # fmt: skip
+        assert {
+            "test_ce",
+            "test_ce_stderr",
+            "acc",
+            "acc_stderr",
+            "acc_norm",
+            "acc_norm_stderr",
+            "best_step",
+            "time_to_best_s",
+            "fit_wall_time_s",
+            "peak_memory_mb",
+        } <= r.keys()
     # every method of a seed ran on the same splits
     keys = [json.loads(p.read_text())["key"] for p in cells.values()]
     assert len({k["splits_sha256"] for k in keys}) == 1
@@ -116,8 +172,12 @@ def test_list_flags_take_commas_or_spaces():
 def test_loca_variants_run_as_extra_methods_with_an_ablation_table(setup, tmp_path):
     root, args = setup
     base = args[: args.index("--methods")]
-    variants = json.dumps({"paper": {"preset": "paper", "max_iters": 3},
-                           "adapt": {"step_control": "adaptive", "ridge_center": "previous"}})  # fmt: skip
+    variants = json.dumps(
+        {
+            "paper": {"preset": "paper", "max_iters": 3},
+            "adapt": {"step_control": "adaptive", "ridge_center": "previous"},
+        }
+    )
     out = tmp_path / "abl"
     run = [*base, "--seeds", "0", "--methods", "frozen", "lora", "loca", "--loca-variants", variants]
     assert main([*run, "--out", str(out)]) == 0
@@ -156,10 +216,14 @@ def test_loca_variant_precedence(tmp_path):
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"loca": {"feedback_rank": 16, "probe_micro_batch": 4}}))
-    variants = {"paper": {"preset": "paper"}, "mine": {"preset": "paper", "max_iters": 7, "rank": 16},
-                "plain": {"beta_rel": 2.0}}  # fmt: skip
-    configs, cfg = configs_of("--max-iters", "4", "--rank", "8", "--config", str(config),
-                              "--loca-variants", json.dumps(variants))  # fmt: skip
+    variants = {
+        "paper": {"preset": "paper"},
+        "mine": {"preset": "paper", "max_iters": 7, "rank": 16},
+        "plain": {"beta_rel": 2.0},
+    }
+    configs, cfg = configs_of(
+        "--max-iters", "4", "--rank", "8", "--config", str(config), "--loca-variants", json.dumps(variants)
+    )
     assert configs.loca_flags == {"max_iters", "rank"}
     assert (configs.loca.max_iters, configs.loca.feedback_rank, configs.loca.probe_micro_batch) == (4, 16, 4)
     paper = cfg("loca@paper")
@@ -171,8 +235,14 @@ def test_loca_variant_precedence(tmp_path):
     # without a preset a variant is the run's configuration with its keys
     assert cfg("loca@plain") == {**cfg("loca"), "beta_rel": 2.0}
     # the run's --preset is below the variant's preset, like its config file
-    configs, cfg = configs_of("--preset", "paper", "--feedback-rank", "4", "--loca-variants",
-                              '{"d": {"preset": "default"}, "p": {"preset": "paper"}}')  # fmt: skip
+    configs, cfg = configs_of(
+        "--preset",
+        "paper",
+        "--feedback-rank",
+        "4",
+        "--loca-variants",
+        '{"d": {"preset": "default"}, "p": {"preset": "paper"}}',
+    )
     assert cfg("loca")["max_iters"] == 40 and cfg("loca@d") == cfg("loca")  # "default" adds nothing
     assert cfg("loca@p")["feedback_rank"] == 4
 
@@ -198,8 +268,19 @@ def test_yardsticks_run_end_to_end(setup):
     base = args[: args.index("--methods")]
     out = root / "yardsticks"
     methods = ["frozen", "lora-paper", "loca", "adapter-bp", "adapter-bp-predict"]
-    run = [*base, "--seeds", "0", "--methods", *methods, "--adapter-bp-lrs", "1e-2",
-           "--adapter-bp-epochs", "1", "--adapter-bp-eval-every", "1"]  # fmt: skip
+    run = [
+        *base,
+        "--seeds",
+        "0",
+        "--methods",
+        *methods,
+        "--adapter-bp-lrs",
+        "1e-2",
+        "--adapter-bp-epochs",
+        "1",
+        "--adapter-bp-eval-every",
+        "1",
+    ]
     assert main([*run, "--out", str(out)]) == 0
     cells = {p.stem: json.loads(p.read_text()) for p in (out / "cells" / "sst2" / "seed0").glob("*.json")}
     assert sorted(cells) == sorted(methods)
@@ -222,8 +303,10 @@ def test_yardsticks_run_end_to_end(setup):
     assert rows["loca"]["R_ceiling"] == recovery_ce(f, lc, ceil)
     assert rows["adapter-bp"]["R_ceiling"] is None and rows["lora-paper"]["R_ceiling"] is None
     table = (out / "table.md").read_text()  # no LoRA cell: R_ceiling without R_CE
-    assert "| Frozen | LoRA (paper) | LoCA | Adapter-BP | Adapter-BP (predict) | R_ceiling (LoCA vs " \
-        "Adapter-BP (predict)) |" in table  # fmt: skip
+    assert (
+        "| Frozen | LoRA (paper) | LoCA | Adapter-BP | Adapter-BP (predict) | R_ceiling (LoCA vs "
+        "Adapter-BP (predict)) |" in table
+    )
     # LoRA's cell key has no `select` while it is the default: cells stored before it still match
     from loca.compare.runner import _method_config
 
@@ -261,14 +344,27 @@ def test_every_place_that_names_a_method_reads_its_record():
 
 def _cell(task, seed, method, test_ce, acc=0.5):
     return {
-        "task": task, "seed": seed, "method": method, "device": "cpu", "peak_memory_mb": 1.0,
-        "memory_kind": "rss", "wall_time_s": 1.0,
+        "task": task,
+        "seed": seed,
+        "method": method,
+        "device": "cpu",
+        "peak_memory_mb": 1.0,
+        "memory_kind": "rss",
+        "wall_time_s": 1.0,
         "key": {"model": "tiny", "sizes": {"n_train": 8, "n_heldout": 4, "n_test": 4}},
-        "fit": {"heldout_ce": test_ce, "frozen_heldout_ce": 4.0, "selected": {}, "best_step": 1,
-                "step_unit": "step", "improved": True, "time_to_best_s": 0.5, "wall_time_s": 1.0,
-                "history": []},
+        "fit": {
+            "heldout_ce": test_ce,
+            "frozen_heldout_ce": 4.0,
+            "selected": {},
+            "best_step": 1,
+            "step_unit": "step",
+            "improved": True,
+            "time_to_best_s": 0.5,
+            "wall_time_s": 1.0,
+            "history": [],
+        },
         "test": {"test_ce": test_ce, "test_ce_no_eos": test_ce, "acc": acc, "acc_norm": acc},
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.unit
@@ -276,12 +372,19 @@ def test_r_ceiling_on_hand_made_cells():
     from loca.compare.report import rows_from_cells, summarize, table_markdown
 
     ce = {
-        ("a", 0): {"frozen": 4.0, "lora": 1.0, "adapter-bp": 2.0, "adapter-bp-predict": 3.0, "loca": 3.5,
-                   "loca-abs": 3.8, "loca@x": 3.0},
+        ("a", 0): {
+            "frozen": 4.0,
+            "lora": 1.0,
+            "adapter-bp": 2.0,
+            "adapter-bp-predict": 3.0,
+            "loca": 3.5,
+            "loca-abs": 3.8,
+            "loca@x": 3.0,
+        },
         ("a", 1): {"frozen": 4.0, "lora": 1.0, "adapter-bp": 2.0, "loca": 3.0, "loca@x": 2.5},  # no predict
         ("a", 2): {"frozen": 4.0, "lora": 1.0, "loca": 3.0},  # no ceiling at all
         ("b", 0): {"frozen": 4.0, "lora": 1.0, "adapter-bp": 3.99, "loca": 3.0},  # a ceiling too small
-    }  # fmt: skip
+    }
     cells = [_cell(t, s, m, v) for (t, s), ms in ce.items() for m, v in ms.items()]
     rows = {(r["task"], r["seed"], r["method"]): r for r in rows_from_cells(cells)}
     expect = {
@@ -310,8 +413,9 @@ def test_r_ceiling_on_hand_made_cells():
         line for line in table.splitlines() if line.startswith("| task | Frozen") and "R_CE" in line
     )
     # seeds of both kinds: the header names both, predict first
-    assert header.endswith("| R_CE (LoCA) | R_ceiling (LoCA vs Adapter-BP (predict) where it ran, else "
-                           "Adapter-BP) |")  # fmt: skip
+    assert header.endswith(
+        "| R_CE (LoCA) | R_ceiling (LoCA vs Adapter-BP (predict) where it ran, else Adapter-BP) |"
+    )
     row_a = next(line for line in table.splitlines() if line.startswith("| a |"))  # the test CE table
     assert row_a.endswith("| 0.50 ± 0.00 |")  # the 2 seeds with a ceiling (seed 2 has none: no "(2/3)")
     assert "median R_ceiling (vs Adapter-BP (predict) where it ran, else Adapter-BP)" in table

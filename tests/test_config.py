@@ -44,9 +44,15 @@ def test_cli_flags_mirror_the_dataclass():
 
 def test_paper_preset_and_flags_on_top_of_it():
     paper = LocaConfig.preset("paper")
-    assert (paper.feedback_rank, paper.beta_rel, paper.etas, paper.step_control, paper.ridge_center,
-            paper.a_init, paper.recalibrate_every) == (8, 1e-3, [0.003, 0.01, 0.03], "fixed", "zero",
-                                                       "random", 0)  # fmt: skip
+    assert (
+        paper.feedback_rank,
+        paper.beta_rel,
+        paper.etas,
+        paper.step_control,
+        paper.ridge_center,
+        paper.a_init,
+        paper.recalibrate_every,
+    ) == (8, 1e-3, [0.003, 0.01, 0.03], "fixed", "zero", "random", 0)
     p = argparse.ArgumentParser()
     add_config_args(p)
     cfg = config_from_args(p.parse_args(["--preset", "paper", "--beta-rel", "1", "--no-add-eos"]))
@@ -57,9 +63,16 @@ def test_paper_preset_and_flags_on_top_of_it():
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(step_control="sgd"), dict(eta_grow=0.5), dict(eta_shrink=1.0), dict(a_init="pca"),
-     dict(ridge_center="one"), dict(recalibrate_every=-1), dict(alignment_every=-1)],
-)  # fmt: skip
+    [
+        dict(step_control="sgd"),
+        dict(eta_grow=0.5),
+        dict(eta_shrink=1.0),
+        dict(a_init="pca"),
+        dict(ridge_center="one"),
+        dict(recalibrate_every=-1),
+        dict(alignment_every=-1),
+    ],
+)
 def test_invalid_fit_options_are_named(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         LocaConfig(**bad)
@@ -107,9 +120,13 @@ def test_a_yaml_config_holds_every_section(tmp_path):
 
 SETTINGS_CLASSES = [LocaConfig, ModelConfig, DataConfig, LoraSettings, MezoSettings, AdapterBpSettings]
 CHANGES = {  # a field, a valid new value and an invalid one
-    LocaConfig: ("rank", 5, 0), ModelConfig: ("dtype", "bfloat16", "int8"), DataConfig: ("n_train", 5, -1),
-    LoraSettings: ("rank", 5, 0), MezoSettings: ("max_steps", 5, 0), AdapterBpSettings: ("epochs", 5, 0),
-}  # fmt: skip
+    LocaConfig: ("rank", 5, 0),
+    ModelConfig: ("dtype", "bfloat16", "int8"),
+    DataConfig: ("n_train", 5, -1),
+    LoraSettings: ("rank", 5, 0),
+    MezoSettings: ("max_steps", 5, 0),
+    AdapterBpSettings: ("epochs", 5, 0),
+}
 
 
 @pytest.mark.parametrize("cls", SETTINGS_CLASSES, ids=lambda c: c.__name__)
@@ -135,8 +152,12 @@ def test_list_fields_stay_json_lists_of_floats():
 
 
 def _choice_fields():
-    return [pytest.param(cls, f, id=f"{cls.__name__}.{f.name}")
-            for cls in SETTINGS_CLASSES for f in fields(cls) if f.metadata.get("choices")]  # fmt: skip
+    return [
+        pytest.param(cls, f, id=f"{cls.__name__}.{f.name}")
+        for cls in SETTINGS_CLASSES
+        for f in fields(cls)
+        if f.metadata.get("choices")
+    ]
 
 
 @pytest.mark.parametrize("cls, f", _choice_fields())
@@ -182,8 +203,9 @@ def test_flag_types_come_from_the_annotations():
 
     p = argparse.ArgumentParser()
     add_dataclass_args(p, Example, title="x")
-    args = p.parse_args(["--no-flag", "--count", "3", "--scale", "2", "--names", "b,c", "d",
-                         "--values", "1", "2"])  # fmt: skip
+    args = p.parse_args(
+        ["--no-flag", "--count", "3", "--scale", "2", "--names", "b,c", "d", "--values", "1", "2"]
+    )
     got = dataclass_from_args(Example, args)
     assert got == Example(flag=False, count=3, scale=2.0, names=["b", "c", "d"], values=[1.0, 2.0])
     assert type(got.count) is int and type(got.scale) is float
@@ -206,15 +228,22 @@ def test_precedence_flags_then_file_then_preset_then_command_defaults(tmp_path, 
     add_model_args(p)
     add_data_args(p, n_train=11, n_heldout=12, n_test=13)
     add_config_args(p)
-    (tmp_path / "run.json").write_text(json.dumps({
-        "model": {"dtype": "bfloat16", "device": "cpu"},
-        "data": {"n_train": 21, "n_heldout": 22},
-        "loca": {"feedback_rank": 4, "max_iters": 7, "etas": [0.5]},
-    }))  # fmt: skip
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {
+                "model": {"dtype": "bfloat16", "device": "cpu"},
+                "data": {"n_train": 21, "n_heldout": 22},
+                "loca": {"feedback_rank": 4, "max_iters": 7, "etas": [0.5]},
+            }
+        )
+    )
     argv = ["--preset", "paper", "--config", str(tmp_path / "run.json")]
-    model, data, cfg = sections_from_args(p.parse_args([*argv, "--device", "cuda", "--n-train", "31",
-                                                        "--max-iters", "9"]), n_train=11, n_heldout=12,
-                                          n_test=13)  # fmt: skip
+    model, data, cfg = sections_from_args(
+        p.parse_args([*argv, "--device", "cuda", "--n-train", "31", "--max-iters", "9"]),
+        n_train=11,
+        n_heldout=12,
+        n_test=13,
+    )
     assert (model.model, model.dtype, model.device) == (ModelConfig().model, "bfloat16", "cuda")
     assert (data.n_train, data.n_heldout, data.n_test, data.task) == (31, 22, 13, DataConfig().task)
     paper = LocaConfig.preset("paper")
@@ -273,7 +302,10 @@ def test_the_data_dir_variable_is_read_in_one_place():
     import loca
 
     src = pathlib.Path(loca.__file__).parent
-    reads = [f"{path.relative_to(src)}: {line.strip()}" for path in src.rglob("*.py")
-             for line in path.read_text().splitlines()
-             if re.search(r"environ.*(DATA_DIR_ENV|LOCA_DATA_DIR)", line)]  # fmt: skip
+    reads = [
+        f"{path.relative_to(src)}: {line.strip()}"
+        for path in src.rglob("*.py")
+        for line in path.read_text().splitlines()
+        if re.search(r"environ.*(DATA_DIR_ENV|LOCA_DATA_DIR)", line)
+    ]
     assert len(reads) == 1 and reads[0].startswith("data/sources.py"), reads

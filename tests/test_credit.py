@@ -38,8 +38,14 @@ def _role_credit(n=90, d=16, k=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     e = torch.randn(n, d, generator=gen, dtype=torch.float64)
     roles = torch.arange(n) % 3
-    maps = [[torch.randn(d, k, generator=gen, dtype=torch.float64) @ torch.randn(k, d, generator=gen,
-             dtype=torch.float64) for _ in range(3)] for _ in range(2)]  # fmt: skip
+    maps = [
+        [
+            torch.randn(d, k, generator=gen, dtype=torch.float64)
+            @ torch.randn(k, d, generator=gen, dtype=torch.float64)
+            for _ in range(3)
+        ]
+        for _ in range(2)
+    ]
     grads = [torch.stack([f[int(r)] @ e[t] for t, r in enumerate(roles)]) for f in maps]
     return e, roles, grads
 
@@ -77,8 +83,9 @@ def test_gated_stage2_step_is_the_adapter_gradient_with_exact_per_role_credit():
     model, parts = tiny_parts(hidden=32)
     items = short_prompt_items(12)  # roles: 12 first + 12 inside positions, each ≤ d: the fits interpolate
     batches = make_batches(items, pad_id=0, batch_size=100)
-    maps = calibrate(parts, items, feedback_rank=12, beta_rel=1e-12, probe_micro_batch=100,
-                     feedback_gate="role")  # fmt: skip
+    maps = calibrate(
+        parts, items, feedback_rank=12, beta_rel=1e-12, probe_micro_batch=100, feedback_gate="role"
+    )
     assert maps.gate == "role" and maps.gates == 3 and maps.rank == 12 and maps.width == 36
     assert min(maps.meta["alignment"]["probe"]) > 0.9999  # F_role(t) e_t = g_t at every probe row
     adapters = ResidualAdapters(parts, rank=4, seed=1).attach()
@@ -102,8 +109,12 @@ def test_gated_statistics_equal_their_closed_form():
     stats, _ = collect_statistics(parts, adapters, maps, [batch], range(parts.num_blocks))
     e, _ = probe_gradients(parts, items, 100, 0)  # same rows, same order
     h_in = {}
-    hooks = [blk.register_forward_hook(lambda m, a, kw, o, l=l: h_in.__setitem__(l, a[0] if a else kw[
-        "hidden_states"]), with_kwargs=True) for l, blk in enumerate(parts.blocks)]  # fmt: skip
+    hooks = [
+        blk.register_forward_hook(
+            lambda m, a, kw, o, l=l: h_in.__setitem__(l, a[0] if a else kw["hidden_states"]), with_kwargs=True
+        )
+        for l, blk in enumerate(parts.blocks)
+    ]
     with torch.no_grad():
         parts.final_hidden(batch.input_ids, batch.attention_mask, batch.pos_b, batch.pos_t)
     for h in hooks:
@@ -160,13 +171,16 @@ def _reference_gradients(parts, items, errors):
     incoming gradient at n(h_L): one forward and autograd.grad, all items in one batch."""
     batch = make_batches(items, pad_id=0, batch_size=len(items))[0]
     outs = []
-    hooks = [blk.register_forward_hook(lambda m, a, o: outs.append(o[0] if isinstance(o, tuple) else o))
-             for blk in parts.blocks]  # fmt: skip
+    hooks = [
+        blk.register_forward_hook(lambda m, a, o: outs.append(o[0] if isinstance(o, tuple) else o))
+        for blk in parts.blocks
+    ]
     try:
         with torch.enable_grad():
             embeds = parts.model.get_input_embeddings()(batch.input_ids).detach().requires_grad_(True)
-            hn = parts.final_hidden(batch.input_ids, batch.attention_mask, batch.pos_b, batch.pos_t,
-                                    inputs_embeds=embeds)  # fmt: skip
+            hn = parts.final_hidden(
+                batch.input_ids, batch.attention_mask, batch.pos_b, batch.pos_t, inputs_embeds=embeds
+            )
             grads = torch.autograd.grad(hn, outs, errors.to(hn.dtype))
     finally:
         for h in hooks:
@@ -208,8 +222,9 @@ def test_synthetic_rows_join_the_fit_as_one_pooled_set():
 
     model, parts = tiny_parts(hidden=32, layers=2)
     items = sequences(12, seed=5, answers=6)
-    maps = calibrate(parts, items, feedback_rank=4, beta_rel=1.0, probe_micro_batch=4, probe_synthetic=3,
-                     seed=2)  # fmt: skip
+    maps = calibrate(
+        parts, items, feedback_rank=4, beta_rel=1.0, probe_micro_batch=4, probe_synthetic=3, seed=2
+    )
     e, g = probe_gradients(parts, items, 4, 0, synthetic=3, seed=2)
     n = e.shape[0] // 4
     roles = probe_roles(items, 0)

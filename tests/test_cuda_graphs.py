@@ -20,16 +20,18 @@ def pipeline(tmp_path, dtype="float32", device="cuda", **cfg):
 
     save_tiny_model(tmp_path / "model")
     write_sentiment_task(tmp_path / "task.jsonl", 80, random.Random(0))
-    data = DataConfig(str(tmp_path / "task.jsonl"), template=SENTIMENT_TEMPLATE, n_train=30, n_heldout=10,
-                      n_test=12)  # fmt: skip
+    data = DataConfig(
+        str(tmp_path / "task.jsonl"), template=SENTIMENT_TEMPLATE, n_train=30, n_heldout=10, n_test=12
+    )
     config = LocaConfig(rank=4, feedback_rank=4, batch_size=8, **cfg)
     model = ModelConfig(str(tmp_path / "model"), device=device, dtype=dtype)
     return Pipeline(model, data, config, progress=False)
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype, tol, gate", [("float32", 1e-5, "none"), ("bfloat16", 2e-2, "none"),
-                                              ("float32", 1e-5, "role")])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, tol, gate", [("float32", 1e-5, "none"), ("bfloat16", 2e-2, "none"), ("float32", 1e-5, "role")]
+)
 def test_graphed_passes_equal_eager_and_follow_b_and_maps(tmp_path, dtype, tol, gate):
     from loca.eval.evaluation import completion_ce
     from loca.method.adapters import ResidualAdapters
@@ -93,5 +95,6 @@ def test_prepared_batches_are_padded_and_give_the_same_losses(tmp_path):
     # one sequence of exactly BUCKET tokens: no padding, hence no mask
     one = make_batches([Encoded(tuple(range(5, 5 + BUCKET - 1)), (7,))], pad_id=0)[0]
     assert _prepared(one, pipe.parts).attention_mask is None
-    torch.testing.assert_close(position_losses(pipe.parts, _prepared(one, pipe.parts)),
-                               position_losses(pipe.parts, one))  # fmt: skip
+    torch.testing.assert_close(
+        position_losses(pipe.parts, _prepared(one, pipe.parts)), position_losses(pipe.parts, one)
+    )

@@ -42,17 +42,21 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def rows(n: int, prefix: str = "x", n_choices: int = 2) -> list[dict]:
     return [
-        {"id": f"{prefix}-{i}", "question": f"question {i} ", "passage": None,
-         "choices": [f"c{j}" for j in range(n_choices)], "label": i % n_choices}
+        {
+            "id": f"{prefix}-{i}",
+            "question": f"question {i} ",
+            "passage": None,
+            "choices": [f"c{j}" for j in range(n_choices)],
+            "label": i % n_choices,
+        }
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 # --- templates -------------------------------------------------------------------------------
 
 EXPECTED_PROMPTS = {
-    "sst2": "Review: it 's a charming and often affecting journey .\n"
-    "Sentiment (positive or negative):",
+    "sst2": "Review: it 's a charming and often affecting journey .\nSentiment (positive or negative):",
     "boolq": "Windows Movie Maker is a discontinued video editing program by Microsoft.\n"
     "Question: is windows movie maker part of windows essentials?\nAnswer:",
     "arc_easy": "Question: Which technology was developed most recently?\nAnswer:",
@@ -218,62 +222,134 @@ HUB_FIXTURES = {
     # task: (hub row, local line, local split, row index)
     "sst2": (
         {"sentence": "it 's a charming and often affecting journey . ", "label": 1, "idx": 0},
-        {"id": "sst2-validation-0", "question": "it 's a charming and often affecting journey . ",
-         "passage": None, "choices": ["negative", "positive"], "label": 1},
-        "validation", 0,
+        {
+            "id": "sst2-validation-0",
+            "question": "it 's a charming and often affecting journey . ",
+            "passage": None,
+            "choices": ["negative", "positive"],
+            "label": 1,
+        },
+        "validation",
+        0,
     ),
     "boolq": (
-        {"question": "does ethanol take more energy make that produces", "answer": False,
-         "passage": "All biomass goes through at least some of these steps."},
-        {"id": "boolq-validation-0", "question": "does ethanol take more energy make that produces",
-         "passage": "All biomass goes through at least some of these steps.",
-         "choices": ["no", "yes"], "label": 0},
-        "validation", 0,
+        {
+            "question": "does ethanol take more energy make that produces",
+            "answer": False,
+            "passage": "All biomass goes through at least some of these steps.",
+        },
+        {
+            "id": "boolq-validation-0",
+            "question": "does ethanol take more energy make that produces",
+            "passage": "All biomass goes through at least some of these steps.",
+            "choices": ["no", "yes"],
+            "label": 0,
+        },
+        "validation",
+        0,
     ),
     "arc_easy": (
-        {"id": "MCAS_2000_4_6", "question": "Which technology was developed most recently?",
-         "choices": {"text": ["cellular telephone", "television", "refrigerator", "airplane"],
-                     "label": ["A", "B", "C", "D"]}, "answerKey": "A"},
-        {"id": "MCAS_2000_4_6", "question": "Which technology was developed most recently?",
-         "passage": None,
-         "choices": ["cellular telephone", "television", "refrigerator", "airplane"], "label": 0},
-        "validation", 0,
+        {
+            "id": "MCAS_2000_4_6",
+            "question": "Which technology was developed most recently?",
+            "choices": {
+                "text": ["cellular telephone", "television", "refrigerator", "airplane"],
+                "label": ["A", "B", "C", "D"],
+            },
+            "answerKey": "A",
+        },
+        {
+            "id": "MCAS_2000_4_6",
+            "question": "Which technology was developed most recently?",
+            "passage": None,
+            "choices": ["cellular telephone", "television", "refrigerator", "airplane"],
+            "label": 0,
+        },
+        "validation",
+        0,
     ),
     "arc_challenge": (
-        {"id": "Q-1", "question": "Pick two?", "choices": {"text": ["one", "two", "three"],
-                                                           "label": ["1", "2", "3"]},
-         "answerKey": "2"},
-        {"id": "Q-1", "question": "Pick two?", "passage": None, "choices": ["one", "two", "three"],
-         "label": 1},
-        "train", 5,
+        {
+            "id": "Q-1",
+            "question": "Pick two?",
+            "choices": {"text": ["one", "two", "three"], "label": ["1", "2", "3"]},
+            "answerKey": "2",
+        },
+        {
+            "id": "Q-1",
+            "question": "Pick two?",
+            "passage": None,
+            "choices": ["one", "two", "three"],
+            "label": 1,
+        },
+        "train",
+        5,
     ),
     "obqa": (
-        {"id": "7-57", "question_stem": "Gas can fill any container it is given, and liquid",
-         "choices": {"text": ["is standard weight and size", "is the opposite of variable",
-                              "only needs a few", "uses what it needs"],
-                     "label": ["A", "B", "C", "D"]}, "answerKey": "D"},
-        {"id": "7-57", "question": "Gas can fill any container it is given, and liquid",
-         "passage": None, "choices": ["is standard weight and size", "is the opposite of variable",
-                                      "only needs a few", "uses what it needs"], "label": 3},
-        "validation", 1,
+        {
+            "id": "7-57",
+            "question_stem": "Gas can fill any container it is given, and liquid",
+            "choices": {
+                "text": [
+                    "is standard weight and size",
+                    "is the opposite of variable",
+                    "only needs a few",
+                    "uses what it needs",
+                ],
+                "label": ["A", "B", "C", "D"],
+            },
+            "answerKey": "D",
+        },
+        {
+            "id": "7-57",
+            "question": "Gas can fill any container it is given, and liquid",
+            "passage": None,
+            "choices": [
+                "is standard weight and size",
+                "is the opposite of variable",
+                "only needs a few",
+                "uses what it needs",
+            ],
+            "label": 3,
+        },
+        "validation",
+        1,
     ),
     "hellaswag": (  # a WikiHow item: the markup is removed as in shared/data
-        {"ind": 4, "activity_label": "Personal Care and Style",
-         "ctx_a": "[header] How to become a fashion consultant [title] Obtain your ged.",
-         "ctx_b": "", "ctx": "[header] How to become a fashion consultant [title] Obtain your "
-                             "ged. [step] This job requires a diploma.",
-         "endings": ["Many schools have classes in your field. [title] Search for positions.",
-                     "[substeps] Earn a degree.", "Go  home.", "[title] Stay."],
-         "source_id": "wikihow~1", "split": "val", "split_type": "indomain", "label": "1"},
-        {"id": "hellaswag-validation-3243",
-         "question": "How to become a fashion consultant. Obtain your ged. This job requires a "
-                     "diploma.",
-         "passage": None,
-         "choices": ["Many schools have classes in your field.. Search for positions.",
-                     "Earn a degree.", "Go home.", "Stay."], "label": 1},
-        "validation", 3243,
+        {
+            "ind": 4,
+            "activity_label": "Personal Care and Style",
+            "ctx_a": "[header] How to become a fashion consultant [title] Obtain your ged.",
+            "ctx_b": "",
+            "ctx": "[header] How to become a fashion consultant [title] Obtain your "
+            "ged. [step] This job requires a diploma.",
+            "endings": [
+                "Many schools have classes in your field. [title] Search for positions.",
+                "[substeps] Earn a degree.",
+                "Go  home.",
+                "[title] Stay.",
+            ],
+            "source_id": "wikihow~1",
+            "split": "val",
+            "split_type": "indomain",
+            "label": "1",
+        },
+        {
+            "id": "hellaswag-validation-3243",
+            "question": "How to become a fashion consultant. Obtain your ged. This job requires a diploma.",
+            "passage": None,
+            "choices": [
+                "Many schools have classes in your field.. Search for positions.",
+                "Earn a degree.",
+                "Go home.",
+                "Stay.",
+            ],
+            "label": 1,
+        },
+        "validation",
+        3243,
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(HUB_FIXTURES))
@@ -287,10 +363,17 @@ def test_hub_mapping_equals_local_schema(tmp_path, name):
 def test_hub_mapping_matches_the_real_local_copy():
     """The ActivityNet HellaSwag row 0 and ARC/SST-2 rows 0 as the hub gives them."""
     hs = load_local(SHARED / "hellaswag" / "validation.jsonl")[0]
-    row = {"activity_label": "Roof shingle removal", "ctx": "A man is sitting on a roof. he",
-           "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
-                       "is holding a rubik's cube.", "starts pulling up roofing on a roof."],
-           "label": "3"}  # fmt: skip
+    row = {
+        "activity_label": "Roof shingle removal",
+        "ctx": "A man is sitting on a roof. he",
+        "endings": [
+            "is using wrap to wrap a pair of skis.",
+            "is ripping level tiles off.",
+            "is holding a rubik's cube.",
+            "starts pulling up roofing on a roof.",
+        ],
+        "label": "3",
+    }
     assert hub_row_to_example("hellaswag", row, "validation", 0) == hs
     sst = load_local(SHARED / "sst2" / "validation.jsonl")[0]
     assert hub_row_to_example("sst2", HUB_FIXTURES["sst2"][0], "validation", 0) == sst
@@ -299,9 +382,7 @@ def test_hub_mapping_matches_the_real_local_copy():
 
 
 def test_hellaswag_clean():
-    assert hellaswag_clean("[header] How to x [title] Do y. [step] Then z.") == (
-        "How to x. Do y. Then z."
-    )
+    assert hellaswag_clean("[header] How to x [title] Do y. [step] Then z.") == ("How to x. Do y. Then z.")
     assert hellaswag_clean("keeps [other] brackets") == "keeps [other] brackets"
     assert hellaswag_clean("A  B") == "A B"
 
@@ -373,8 +454,10 @@ def test_hub_path_maps_rows_and_falls_back_to_parquet(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     monkeypatch.delenv("LOCA_DATA_DIR", raising=False)
     exs = load_task_split(get_task("hellaswag"), "validation")
-    assert calls == [("Rowan/hellaswag", None, "validation", None),
-                     ("Rowan/hellaswag", None, "validation", "refs/convert/parquet")]
+    assert calls == [
+        ("Rowan/hellaswag", None, "validation", None),
+        ("Rowan/hellaswag", None, "validation", "refs/convert/parquet"),
+    ]
     assert [e.id for e in exs] == ["hellaswag-validation-0", "hellaswag-validation-1"]
     assert exs[0].choices[0] == "Many schools have classes in your field.. Search for positions."
 
@@ -398,9 +481,10 @@ def test_data_dir_from_environment(tmp_path, monkeypatch):
 def data_dir(tmp_path):
     write_jsonl(tmp_path / "sst2" / "train.jsonl", rows(100, "tr"))
     write_jsonl(tmp_path / "sst2" / "validation.jsonl", rows(30, "va"))
-    write_jsonl(tmp_path / "boolq" / "validation.jsonl", [
-        r | {"passage": f"passage {i}"} for i, r in enumerate(rows(41, "bq"))
-    ])  # fmt: skip
+    write_jsonl(
+        tmp_path / "boolq" / "validation.jsonl",
+        [r | {"passage": f"passage {i}"} for i, r in enumerate(rows(41, "bq"))],
+    )
     return tmp_path
 
 
@@ -514,9 +598,15 @@ def grouped_rows(n_passages: int, sizes=(1, 2, 3)) -> list[dict]:
     out = []
     for p in range(n_passages):
         for q in range(sizes[p % len(sizes)]):
-            out.append({"id": f"p{p}-q{q}", "question": f"question {q} about {p}",
-                        "passage": f"Passage number {p} has one sentence of some length.",
-                        "choices": ["no", "yes"], "label": (p + q) % 2})  # fmt: skip
+            out.append(
+                {
+                    "id": f"p{p}-q{q}",
+                    "question": f"question {q} about {p}",
+                    "passage": f"Passage number {p} has one sentence of some length.",
+                    "choices": ["no", "yes"],
+                    "label": (p + q) % 2,
+                }
+            )
     return out
 
 
@@ -544,11 +634,22 @@ def test_group_ids_link_transitively_and_number_by_first_item():
 
 def test_context_keys_link_the_next_window_of_a_video():
     # shared/data hellaswag items 3 and 4: item 4's context holds item 3's completed gold sentence
-    a = Example(question="A boy is running down a track. the boy", label=2,
-                choices=("runs into a car.", "gets in a mat.",
-                         "lifts his body above the height of a pole.", "stands on his hands."))
-    b = Example(question="The boy lifts his body above the height of a pole. The boy lands on his "
-                "back on to a red mat. the boy", choices=("x", "y"), label=0)  # fmt: skip
+    a = Example(
+        question="A boy is running down a track. the boy",
+        label=2,
+        choices=(
+            "runs into a car.",
+            "gets in a mat.",
+            "lifts his body above the height of a pole.",
+            "stands on his hands.",
+        ),
+    )
+    b = Example(
+        question="The boy lifts his body above the height of a pole. The boy lands on his "
+        "back on to a red mat. the boy",
+        choices=("x", "y"),
+        label=0,
+    )
     assert context_keys(a) & context_keys(b) == {"the boy lifts his body above the height of a pole"}
     assert group_ids(get_task("hellaswag"), [a, b]) == [0, 0]
     assert not passage_keys(a)  # no passage: never linked by passage
@@ -578,8 +679,12 @@ def test_grouped_partition_keeps_passages_whole(tmp_path):
     s1 = load_splits(task, n_train=6, n_heldout=4, seed=0)
     s2 = load_splits(task, n_train=3, n_heldout=2, seed=7)
     assert s1.test == s2.test == test and s1 == load_splits(task, n_train=6, n_heldout=4, seed=0)
-    assert s1.record["pool"] == {"split": "mine", "size": len(pool), "group_by": "passage",
-                                 "n_groups": part["pool_groups"]}  # fmt: skip
+    assert s1.record["pool"] == {
+        "split": "mine",
+        "size": len(pool),
+        "group_by": "passage",
+        "n_groups": part["pool_groups"],
+    }
 
 
 def test_ungrouped_partition_is_the_item_partition(tmp_path):
@@ -590,9 +695,9 @@ def test_ungrouped_partition_is_the_item_partition(tmp_path):
     assert [e.id for e in test] == [val[i].id for i in sorted(permutation(60, 0, "partition")[:30])]
     assert part["group_by"] is None and part["n_groups"] is None
     # a grouping in which every item is alone gives exactly the same partition
-    distinct = write_jsonl(tmp_path / "distinct.jsonl", [
-        r | {"passage": f"{r['id']} passage"} for r in grouped_rows(30)
-    ])  # fmt: skip
+    distinct = write_jsonl(
+        tmp_path / "distinct.jsonl", [r | {"passage": f"{r['id']} passage"} for r in grouped_rows(30)]
+    )
     _, test_g, part_g = load_pool(grouped_task(distinct))
     assert [e.id for e in test_g] == [e.id for e in test] and part_g["n_groups"] == 60
 
@@ -669,7 +774,7 @@ def test_truncation_never_removes_answer_tokens(tok):
         answer = tok(" a b c d e f g h", add_special_tokens=False)["input_ids"]
         assert list(gold.completion) == [*answer, tok.eos_token_id]
         assert len(gold.ids) <= max_length and len(gold.prompt) >= 1
-        assert list(gold.prompt) == full_prompt[-len(gold.prompt):]  # cut from the left
+        assert list(gold.prompt) == full_prompt[-len(gold.prompt) :]  # cut from the left
         choices = encode_choices(tok, task, [ex], max_length=max_length)
         assert [c.choice for c in choices] == [0, 1]
         assert all(len(c.ids) <= max_length for c in choices)

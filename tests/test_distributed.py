@@ -25,19 +25,51 @@ def root(tmp_path_factory):
 
 def run(root, out, nproc: int, *extra: str) -> None:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    argv = [*(launch if nproc > 1 else [sys.executable]), "-m", "loca", "fit", "--model", str(root / "model"),
-            "--task", str(root / "task.jsonl"), "--template", SENTIMENT_TEMPLATE, "--device", "cpu",
-            "--rank", "4", "--feedback-rank", "4", "--n-train", "24", "--n-heldout", "10", "--n-test", "12",
-            "--batch-size", "4", "--probe-micro-batch", "3", "--probe-positions", "40", "--quiet",
-            "--out", str(out), *extra]  # fmt: skip
+    argv = [
+        *(launch if nproc > 1 else [sys.executable]),
+        "-m",
+        "loca",
+        "fit",
+        "--model",
+        str(root / "model"),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        SENTIMENT_TEMPLATE,
+        "--device",
+        "cpu",
+        "--rank",
+        "4",
+        "--feedback-rank",
+        "4",
+        "--n-train",
+        "24",
+        "--n-heldout",
+        "10",
+        "--n-test",
+        "12",
+        "--batch-size",
+        "4",
+        "--probe-micro-batch",
+        "3",
+        "--probe-positions",
+        "40",
+        "--quiet",
+        "--out",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(
     "extra",
-    [["--max-iters", "4"], ["--max-iters", "3", "--step-control", "fixed", "--groups", "2"],
-     ["--max-iters", "3", "--probe-synthetic", "2", "--feedback-gate", "role"]],
+    [
+        ["--max-iters", "4"],
+        ["--max-iters", "3", "--step-control", "fixed", "--groups", "2"],
+        ["--max-iters", "3", "--probe-synthetic", "2", "--feedback-gate", "role"],
+    ],
     ids=["adaptive", "fixed-gauss-seidel", "synthetic-errors-role-gate"],
 )
 def test_two_gloo_processes_fit_what_one_process_fits(root, tmp_path, extra):
@@ -75,8 +107,16 @@ def _dp_setup(rank: int, world: int, store: str):
     torch.set_num_threads(1)
     _, parts = tiny_parts(hidden=32, layers=3)
     train_items, heldout_items = sequences(40, seed=0), sequences(20, seed=100)
-    cfg = LocaConfig(rank=8, feedback_rank=8, probe_positions=60, probe_micro_batch=5, max_iters=4,
-                     step_control="fixed", etas=[0.02, 0.1], batch_size=6)  # fmt: skip
+    cfg = LocaConfig(
+        rank=8,
+        feedback_rank=8,
+        probe_positions=60,
+        probe_micro_batch=5,
+        max_iters=4,
+        step_control="fixed",
+        etas=[0.02, 0.1],
+        batch_size=6,
+    )
     cal = Calibrator(parts, train_items, heldout_items, cfg, pad_id=0)
     maps = cal.refit()
     train, heldout = make_batches(train_items, 0, 6), make_batches(heldout_items, 0, 6)
@@ -94,11 +134,15 @@ def _worker(rank: int, world: int, store: str, result_file: str) -> None:
     parts, _, maps, train, heldout, cfg = _dp_setup(rank, world, store)
     res = fit(parts, maps, train, heldout, cfg, progress=False)
     out = {
-        "b": res.adapters.get_b(), "us": [f.us for f in maps.factors], "ce": res.heldout_ce,
-        "frozen": res.frozen_heldout_ce, "it": res.best_iteration, "eta": res.eta,
+        "b": res.adapters.get_b(),
+        "us": [f.us for f in maps.factors],
+        "ce": res.heldout_ce,
+        "frozen": res.frozen_heldout_ce,
+        "it": res.best_iteration,
+        "eta": res.eta,
         "heldout_ce": completion_ce(parts, heldout).mean,
         "sketch_a": principal_a(parts, train, rank=2, seed=0),
-    }  # fmt: skip
+    }
     res.adapters.detach()
     if rank == 0:
         torch.save(out, result_file)
@@ -130,16 +174,58 @@ def test_compare_under_torchrun_matches_one_process(tmp_path):
     rng = random.Random(0)
     for split, n in (("train", 60), ("validation", 20)):
         write_sentiment_task(tmp_path / "data" / "sst2" / f"{split}.jsonl", n, rng, id_prefix=f"{split}-")
-    args = ["-m", "loca", "compare", "--model", str(tmp_path / "model"), "--data-dir", str(tmp_path / "data"),
-            "--device", "cpu", "--tasks", "sst2", "--seeds", "0", "--n-train", "16", "--n-heldout", "8",
-            "--n-test", "10", "--rank", "4", "--feedback-rank", "4", "--max-iters", "2", "--batch-size", "4",
-            "--lora-rank", "4", "--lora-alpha", "8", "--lora-epochs", "1", "--lora-lrs", "1e-3",
-            "--mezo-max-steps", "4", "--mezo-eval-every", "2", "--methods", "frozen", "lora", "loca",
-            "adapter-mezo", "--quiet"]  # fmt: skip
+    args = [
+        "-m",
+        "loca",
+        "compare",
+        "--model",
+        str(tmp_path / "model"),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--device",
+        "cpu",
+        "--tasks",
+        "sst2",
+        "--seeds",
+        "0",
+        "--n-train",
+        "16",
+        "--n-heldout",
+        "8",
+        "--n-test",
+        "10",
+        "--rank",
+        "4",
+        "--feedback-rank",
+        "4",
+        "--max-iters",
+        "2",
+        "--batch-size",
+        "4",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--lora-epochs",
+        "1",
+        "--lora-lrs",
+        "1e-3",
+        "--mezo-max-steps",
+        "4",
+        "--mezo-eval-every",
+        "2",
+        "--methods",
+        "frozen",
+        "lora",
+        "loca",
+        "adapter-mezo",
+        "--quiet",
+    ]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     for argv, out in (([sys.executable], "one"), (launch, "two")):
-        proc = subprocess.run([*argv, *args, "--out", str(tmp_path / out)], env=ENV, capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
+        proc = subprocess.run(
+            [*argv, *args, "--out", str(tmp_path / out)], env=ENV, capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
     for out in ("one", "two"):
@@ -162,9 +248,12 @@ def _sum_worker(rank: int, world: int, store: str, result_file: str) -> None:
     real = dist.all_reduce
     dist.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1]
     gen = torch.Generator().manual_seed(rank)
-    tensors = [torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen),
-               torch.randn(2, 2, 2, generator=gen, dtype=torch.float64)[:, 0],  # a strided view
-               torch.randn(distributed.FLAT_BYTES // 8 + 1, generator=gen, dtype=torch.float64)]  # fmt: skip
+    tensors = [
+        torch.randn(3, 4, generator=gen, dtype=torch.float64),
+        torch.randn(5, generator=gen),
+        torch.randn(2, 2, 2, generator=gen, dtype=torch.float64)[:, 0],  # a strided view
+        torch.randn(distributed.FLAT_BYTES // 8 + 1, generator=gen, dtype=torch.float64),
+    ]
     sent = [t.clone() for t in tensors]
     distributed.all_reduce_sum(*tensors)
     dist.all_reduce = real
@@ -218,9 +307,11 @@ def _resume_worker(rank: int, world: int, store: str, folder: str) -> None:
     distributed.barrier()
     state = load_fit_state(f"{folder}/state", parts)
     resumed = fit(parts, maps, train, heldout, cfg, resume=state, progress=False)
-    out = {"whole": (whole_b, whole.best_iteration, whole.heldout_ce, whole.history),
-           "resumed": (resumed.adapters.get_b(), resumed.best_iteration, resumed.heldout_ce, resumed.history),
-           "from": state.iteration}  # fmt: skip
+    out = {
+        "whole": (whole_b, whole.best_iteration, whole.heldout_ce, whole.history),
+        "resumed": (resumed.adapters.get_b(), resumed.best_iteration, resumed.heldout_ce, resumed.history),
+        "from": state.iteration,
+    }
     resumed.adapters.detach()
     if rank == 0:
         torch.save(out, f"{folder}/result.pt")

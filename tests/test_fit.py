@@ -92,7 +92,11 @@ def tiny_setup(n_train=48, n_heldout=24, seed=0):
 def test_fit_improves_heldout_ce_and_records_history():
     _, parts, maps, train, heldout = tiny_setup()
     res = fit(
-        parts, maps, train, heldout, LocaConfig.preset("paper", rank=8, etas=[0.01, 0.03], max_iters=4),
+        parts,
+        maps,
+        train,
+        heldout,
+        LocaConfig.preset("paper", rank=8, etas=[0.01, 0.03], max_iters=4),
         progress=False,
     )
     assert res.improved and res.best_iteration >= 1

@@ -96,8 +96,14 @@ def test_a_rejected_step_restores_b_exactly():
 
     res.adapters.detach()
     fit(parts, maps, train, heldout, cfg, on_improve=grab, progress=False).adapters.detach()
-    direct = fit(parts, maps, train, heldout, LocaConfig(**{**cfg.to_dict(), "etas": [first["eta"]],
-                 "max_iters": 1}), progress=False)  # fmt: skip
+    direct = fit(
+        parts,
+        maps,
+        train,
+        heldout,
+        LocaConfig(**{**cfg.to_dict(), "etas": [first["eta"]], "max_iters": 1}),
+        progress=False,
+    )
     assert all(torch.equal(a, b) for a, b in zip(b_first, direct.adapters.get_b(), strict=True))
 
 

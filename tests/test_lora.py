@@ -182,11 +182,21 @@ def test_last_iterate_without_selection(parts, task):
 @pytest.mark.parametrize(
     "bad",
     [
-        dict(rank=0), dict(alpha=0), dict(dropout=1.0), dict(dropout=-0.1), dict(target_modules=[]),
-        dict(lrs=[]), dict(lrs=[0.0]), dict(lrs=[float("nan")]), dict(epochs=0), dict(eval_every=-1),
-        dict(weight_decay=-1.0), dict(grad_clip=-1.0), dict(seed=-1),
+        dict(rank=0),
+        dict(alpha=0),
+        dict(dropout=1.0),
+        dict(dropout=-0.1),
+        dict(target_modules=[]),
+        dict(lrs=[]),
+        dict(lrs=[0.0]),
+        dict(lrs=[float("nan")]),
+        dict(epochs=0),
+        dict(eval_every=-1),
+        dict(weight_decay=-1.0),
+        dict(grad_clip=-1.0),
+        dict(seed=-1),
     ],
-)  # fmt: skip
+)
 @pytest.mark.unit
 def test_bad_settings_raise(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):

@@ -30,16 +30,21 @@ from loca.method.adapters import ResidualAdapters
 from loca.models.parts import find_parts
 
 EXAMPLES = [
-    Example(question="a charming and often affecting journey . ", choices=("negative", "positive"),
-            label=1, id="e0"),
-    Example(question="the man is sitting on a roof", choices=("negative", "positive"), label=0,
-            id="e1"),
-    Example(question="Which technology was developed most recently ?",
-            choices=("cellular telephone", "television", "a b c d e", "airplane"), label=0,
-            id="e2"),
-    Example(question="he starts pulling up roofing", choices=("yes", "no", "g h"), label=2,
-            id="e3"),
-]  # fmt: skip
+    Example(
+        question="a charming and often affecting journey . ",
+        choices=("negative", "positive"),
+        label=1,
+        id="e0",
+    ),
+    Example(question="the man is sitting on a roof", choices=("negative", "positive"), label=0, id="e1"),
+    Example(
+        question="Which technology was developed most recently ?",
+        choices=("cellular telephone", "television", "a b c d e", "airplane"),
+        label=0,
+        id="e2",
+    ),
+    Example(question="he starts pulling up roofing", choices=("yes", "no", "g h"), label=2, id="e3"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +86,7 @@ def test_completion_ce_equals_hf_loss(tok, model, parts):
     labels_no_eos = labels.clone()
     labels_no_eos[labels_no_eos == tok.eos_token_id] = -100
     with torch.no_grad():
-        hf2 = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    labels=labels_no_eos)
+        hf2 = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels_no_eos)
     assert ce.mean_no_eos == pytest.approx(float(hf2.loss), rel=1e-5, abs=1e-6)
 
 
@@ -249,8 +253,7 @@ def test_evaluate_runs_the_model_as_hooked(tok, parts):
     task = get_task("arc_easy")
     kw = dict(max_length=64, batch_size=2, add_eos=True)
     frozen = evaluate(parts, tok, task, EXAMPLES, **kw)
-    assert set(frozen) >= {"test_ce", "test_ce_no_eos", "acc", "acc_norm", "n_test",
-                           "padding_fraction"}  # fmt: skip
+    assert set(frozen) >= {"test_ce", "test_ce_no_eos", "acc", "acc_norm", "n_test", "padding_fraction"}
     assert frozen["n_test"] == len(EXAMPLES) and frozen["n_truncated"] == 0
     assert 0.0 <= frozen["padding_fraction"] < 1.0
     assert frozen["test_ce"] != frozen["test_ce_no_eos"]
@@ -305,8 +308,7 @@ def test_cli_tasks(capsys):
 
     assert main(["tasks"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in ("sst2", "boolq", "arc_easy", "arc_challenge", "obqa",
-                                        "hellaswag"))  # fmt: skip
+    assert all(name in out for name in ("sst2", "boolq", "arc_easy", "arc_challenge", "obqa", "hellaswag"))
     assert main(["tasks", "--show", "sst2", "--data-dir", "/nonexistent"]) == 0
     out = capsys.readouterr().out
     assert "Review: {question}" in out and "Sentiment (positive or negative):" in out
@@ -324,15 +326,38 @@ def test_cli_evaluate_writes_results(tmp_path, tok, model, capsys):
     tok.save_pretrained(model_dir)
     data = tmp_path / "data" / "arc_easy"
     data.mkdir(parents=True)
-    (data / "validation.jsonl").write_text("".join(
-        json.dumps({"id": ex.id, "question": ex.question, "passage": None,
-                    "choices": list(ex.choices), "label": ex.label}) + "\n"
-        for ex in EXAMPLES
-    ))  # fmt: skip
+    (data / "validation.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": ex.id,
+                    "question": ex.question,
+                    "passage": None,
+                    "choices": list(ex.choices),
+                    "label": ex.label,
+                }
+            )
+            + "\n"
+            for ex in EXAMPLES
+        )
+    )
     (data / "train.jsonl").write_text((data / "validation.jsonl").read_text().replace('"e', '"t'))
     out = tmp_path / "out"
-    args = ["evaluate", "--model", str(model_dir), "--task", "arc_easy", "--data-dir",
-            str(tmp_path / "data"), "--n-test", "3", "--device", "cpu", "--out", str(out)]
+    args = [
+        "evaluate",
+        "--model",
+        str(model_dir),
+        "--task",
+        "arc_easy",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--n-test",
+        "3",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "acc_norm" in printed and "padding" in printed

@@ -70,17 +70,32 @@ def test_settings_validate_and_serialise():
     s = MezoSettings(lrs=[1, 2], eps=[1e-3, 1e-4])
     assert s.lrs == [1.0, 2.0] and s.to_dict()["eps"] == [1e-3, 1e-4]
     assert [(c["lr"], c["eps"]) for c in s.candidates(ADAPTER_LRS)] == [
-        (1.0, 1e-3), (1.0, 1e-4), (2.0, 1e-3), (2.0, 1e-4),
-    ]  # fmt: skip
+        (1.0, 1e-3),
+        (1.0, 1e-4),
+        (2.0, 1e-3),
+        (2.0, 1e-4),
+    ]
     assert [c["lr"] for c in MezoSettings().candidates(FULL_LRS)] == list(FULL_LRS)
     assert MezoSettings().to_dict() == {
-        "lrs": None, "eps": [1e-3], "max_steps": 2000, "time_budget_s": None, "eval_every": 100,
-        "seed": 0, "rank": 32,
-    }  # fmt: skip
+        "lrs": None,
+        "eps": [1e-3],
+        "max_steps": 2000,
+        "time_budget_s": None,
+        "eval_every": 100,
+        "seed": 0,
+        "rank": 32,
+    }
     bad = [
-        {"lrs": []}, {"lrs": [0.1, -1]}, {"lrs": [math.inf]}, {"eps": []}, {"eps": [0.0]},
-        {"max_steps": 0}, {"time_budget_s": 0}, {"eval_every": 0}, {"rank": 0},
-    ]  # fmt: skip
+        {"lrs": []},
+        {"lrs": [0.1, -1]},
+        {"lrs": [math.inf]},
+        {"eps": []},
+        {"eps": [0.0]},
+        {"max_steps": 0},
+        {"time_budget_s": 0},
+        {"eval_every": 0},
+        {"rank": 0},
+    ]
     for kw in bad:
         with pytest.raises(ValueError, match=f"invalid MezoSettings values: {next(iter(kw))}="):
             MezoSettings(**kw)
@@ -344,8 +359,9 @@ def test_time_budget_stops_each_candidate_early():
     )
     assert [r["step"] for r in res.history] == [0, 1, 1]  # each candidate's end is still evaluated
     run.restore()
-    fresh = fit_adapter_mezo(parts, train, heldout, settings, adapters=ResidualAdapters(parts, 4, seed=9),
-                             progress=False)  # fmt: skip
+    fresh = fit_adapter_mezo(
+        parts, train, heldout, settings, adapters=ResidualAdapters(parts, 4, seed=9), progress=False
+    )
     assert strip_times(fresh.result.history) == strip_times(res.history)
     fresh.restore()
 

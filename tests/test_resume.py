@@ -63,7 +63,10 @@ def test_a_resumed_fit_equals_an_uninterrupted_one(tmp_path, cfg_kw, stop_at):
     res = fit(parts, maps, train, heldout, cfg, calibrator=cal, resume=state, progress=False)
     assert strip(res.history) == strip(ref.history)
     assert (res.best_iteration, res.eta, res.lam_rel, res.heldout_ce) == (
-        ref.best_iteration, ref.eta, ref.lam_rel, ref.heldout_ce
+        ref.best_iteration,
+        ref.eta,
+        ref.lam_rel,
+        ref.heldout_ce,
     )
     assert res.stop_reasons == ref.stop_reasons and res.recalibrations == ref.recalibrations
     for b, want in zip(res.adapters.get_b(), ref_b, strict=True):
@@ -73,8 +76,15 @@ def test_a_resumed_fit_equals_an_uninterrupted_one(tmp_path, cfg_kw, stop_at):
 
 def test_a_state_for_another_model_is_refused(tmp_path):
     parts, cal, maps, train, heldout, cfg = setup(max_iters=1)
-    fit(parts, maps, train, heldout, cfg, on_checkpoint=lambda s: save_fit_state(s, tmp_path / "s"),
-        progress=False).adapters.detach()  # fmt: skip
+    fit(
+        parts,
+        maps,
+        train,
+        heldout,
+        cfg,
+        on_checkpoint=lambda s: save_fit_state(s, tmp_path / "s"),
+        progress=False,
+    ).adapters.detach()
     _, other = tiny_parts(hidden=32, layers=2)
     with pytest.raises(ValueError, match="3 blocks"):
         load_fit_state(tmp_path / "s", other)

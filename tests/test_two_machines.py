@@ -36,8 +36,18 @@ def root(tmp_path_factory):
 
 
 def common(root) -> list[str]:
-    return ["--model", str(root / "model"), "--task", str(root / "task.jsonl"), "--template",
-            SENTIMENT_TEMPLATE, "--device", "cpu", "--feedback-rank", "4"]  # fmt: skip
+    return [
+        "--model",
+        str(root / "model"),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        SENTIMENT_TEMPLATE,
+        "--device",
+        "cpu",
+        "--feedback-rank",
+        "4",
+    ]
 
 
 def stage2(root) -> list[str]:
@@ -46,8 +56,13 @@ def stage2(root) -> list[str]:
 
 def python(code: str, *args: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (a separate "machine")."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=ENV,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -140,8 +155,14 @@ def test_calibrate_here_fit_forward_only_there_use_anywhere(root):
     assert config["selection"]["iteration"] == results["best_iteration"] and "loca.from_pretrained" in card
 
     out = root / "third.json"
-    python(THIRD, str(root / "model"), str(there / "adapter"), str(root / "task.jsonl"), SENTIMENT_TEMPLATE,
-           str(out))  # fmt: skip
+    python(
+        THIRD,
+        str(root / "model"),
+        str(there / "adapter"),
+        str(root / "task.jsonl"),
+        SENTIMENT_TEMPLATE,
+        str(out),
+    )
     third = json.loads(out.read_text())
     for key in ("test_ce", "test_ce_no_eos"):
         assert third["metrics"][key] == results["loca"][key]
@@ -166,8 +187,19 @@ def test_maps_for_another_task_or_overlapping_heldout_are_refused(root, capsys):
 
 
 def test_an_interrupted_fit_resumes_to_the_same_result(root, tmp_path):
-    args = [*stage2(root)[:-3], "--max-iters", "8", "--patience", "8", "--step-control", "fixed",
-            "--etas", "0.001", "0.003", *DATA]  # fmt: skip
+    args = [
+        *stage2(root)[:-3],
+        "--max-iters",
+        "8",
+        "--patience",
+        "8",
+        "--step-control",
+        "fixed",
+        "--etas",
+        "0.001",
+        "0.003",
+        *DATA,
+    ]
     whole = tmp_path / "whole"
     loca("fit", *args, "--quiet", "--out", str(whole))
 
@@ -192,8 +224,11 @@ def test_an_interrupted_fit_resumes_to_the_same_result(root, tmp_path):
     a, b = (json.loads((d / "results.json").read_text()) for d in (whole, cut))
     for key in ("frozen", "loca", "eta", "lam_rel", "best_iteration", "stop_reasons"):
         assert a[key] == b[key]
-    strip = lambda d: [{k: v for k, v in json.loads(x).items() if k not in ("time_s", "elapsed_s")}  # noqa: E731
-                       for x in (d / "history.jsonl").read_text().splitlines()]  # fmt: skip
+
+    def strip(d):
+        rows = (json.loads(x) for x in (d / "history.jsonl").read_text().splitlines())
+        return [{k: v for k, v in r.items() if k not in ("time_s", "elapsed_s")} for r in rows]
+
     assert strip(whole) == strip(cut)
     assert not (cut / "checkpoint").exists()  # removed once the run finished
     from loca.cli.main import main

@@ -17,15 +17,22 @@ from loca.models.parts import find_parts
 
 VOCAB = 101  # the builder's default vocabulary
 SEQUENCE_VOCAB = 97  # the vocabulary of :func:`sequences` and :func:`tiny_parts`
-GPT2_DROP = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "max_position_embeddings")  # GPT-2 names these its own way
+GPT2_DROP = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)  # GPT-2 names these its own way
 
 
 def _families(hidden: int, layers: int, positions: int) -> dict[str, tuple[str, dict]]:
     """Each family's config class name and its own config arguments at this size."""
     head_dim = hidden // 4
-    softcapped = dict(head_dim=head_dim, final_logit_softcapping=5.0, query_pre_attn_scalar=head_dim,
-                      sliding_window=4)  # fmt: skip
+    softcapped = dict(
+        head_dim=head_dim, final_logit_softcapping=5.0, query_pre_attn_scalar=head_dim, sliding_window=4
+    )
     return {
         "llama": ("LlamaConfig", {}),
         "qwen2": ("Qwen2Config", {}),
@@ -37,8 +44,16 @@ def _families(hidden: int, layers: int, positions: int) -> dict[str, tuple[str, 
         "gemma3": ("Gemma3TextConfig", softcapped),
         "phi": ("PhiConfig", {}),
         "phi3": ("Phi3Config", {}),
-        "gpt2": ("GPT2Config", {"n_embd": hidden, "n_layer": layers, "n_head": 4, "n_positions": positions,
-                                "n_inner": 2 * hidden}),
+        "gpt2": (
+            "GPT2Config",
+            {
+                "n_embd": hidden,
+                "n_layer": layers,
+                "n_head": 4,
+                "n_positions": positions,
+                "n_inner": 2 * hidden,
+            },
+        ),
         "gpt_neox": ("GPTNeoXConfig", {}),
         "cohere": ("CohereConfig", {"logit_scale": 0.5}),
         "granite": ("GraniteConfig", {"logits_scaling": 4.0}),
@@ -49,15 +64,26 @@ def _families(hidden: int, layers: int, positions: int) -> dict[str, tuple[str, 
         "bloom": ("BloomConfig", {"n_head": 4, "n_layer": layers}),
         "stablelm": ("StableLmConfig", {}),
         "falcon": ("FalconConfig", {}),
-    }  # fmt: skip
+    }
 
 
 FAMILIES = tuple(_families(32, 2, 64))  # every family :func:`tiny_lm` builds
 
 
-def tiny_lm(family: str = "llama", *, vocab: int = VOCAB, hidden: int = 32, layers: int = 2, seed: int = 0,
-            dtype=torch.float32, positions: int = 64, bos: int | None = 1, eos: int | None = 2,
-            pad: int | None = 0, **config):
+def tiny_lm(
+    family: str = "llama",
+    *,
+    vocab: int = VOCAB,
+    hidden: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+    dtype=torch.float32,
+    positions: int = 64,
+    bos: int | None = 1,
+    eos: int | None = 2,
+    pad: int | None = 0,
+    **config,
+):
     """A random causal LM of ``family`` (eval mode, frozen), seeded with ``seed``: ``layers`` blocks
     of width ``hidden``, 4 attention heads (2 key/value heads), an MLP of ``2 * hidden``, ``vocab``
     tokens, special-token ids ``bos``/``eos``/``pad``; ``config`` adds or overrides config
@@ -70,10 +96,17 @@ def tiny_lm(family: str = "llama", *, vocab: int = VOCAB, hidden: int = 32, laye
     if cls is None:
         pytest.skip(f"{cls_name} not in transformers {transformers.__version__}")
     kwargs = dict(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions,
-        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
     if family == "gpt2":
         for k in GPT2_DROP:
             kwargs.pop(k)
@@ -91,8 +124,16 @@ def tiny_lm(family: str = "llama", *, vocab: int = VOCAB, hidden: int = 32, laye
 def tiny_parts(seed: int = 0, layers: int = 3, hidden: int = 32, dtype=torch.float64):
     """``(model, parts)``: the untied Llama of the engine tests, over :func:`sequences`' vocabulary
     (no pad token)."""
-    model = tiny_lm(vocab=SEQUENCE_VOCAB, hidden=hidden, layers=layers, seed=seed, dtype=dtype, positions=128,
-                    pad=None, tie_word_embeddings=False)  # fmt: skip
+    model = tiny_lm(
+        vocab=SEQUENCE_VOCAB,
+        hidden=hidden,
+        layers=layers,
+        seed=seed,
+        dtype=dtype,
+        positions=128,
+        pad=None,
+        tie_word_embeddings=False,
+    )
     return model, find_parts(model)
 
 
@@ -133,17 +174,20 @@ def tiny_tokenizer(extra: list[str] | None = None):
     trainer = trainers.WordLevelTrainer(special_tokens=SPECIALS, min_frequency=1)
     tok.train_from_iterator(CORPUS + list(extra or []), trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<bos>",
         eos_token="<eos>",
     )
-
 
 
 def tiny_model(tokenizer, seed: int = 0, dtype=torch.float32):
     """A random 2-block untied Llama whose vocabulary and special tokens match ``tokenizer``."""
     specials = dict(bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
-    return tiny_lm(vocab=len(tokenizer), seed=seed, dtype=dtype, positions=256, tie_word_embeddings=False,
-                   **specials)
+    return tiny_lm(
+        vocab=len(tokenizer), seed=seed, dtype=dtype, positions=256, tie_word_embeddings=False, **specials
+    )
 
 
 WORDS = "a charming and often affecting journey the of to is was b c d e f g h".split()
@@ -164,8 +208,13 @@ def write_sentiment_task(path: Path, n: int, rng: random.Random, id_prefix: str 
     with open(path, "w") as f:
         for i in range(n):
             words = rng.choices(WORDS, k=rng.randint(3, 8))
-            row = {"id": f"{id_prefix}{i}", "question": " ".join(words), "passage": None,
-                   "choices": ["negative", "positive"], "label": int(words[0] in WORDS[:8])}  # fmt: skip
+            row = {
+                "id": f"{id_prefix}{i}",
+                "question": " ".join(words),
+                "passage": None,
+                "choices": ["negative", "positive"],
+                "label": int(words[0] in WORDS[:8]),
+            }
             f.write(json.dumps(row) + "\n")
     return path
 
@@ -179,6 +228,17 @@ def save_model_and_task(root: Path, n: int, seed: int = 0) -> Path:
 
 def tiny_cli_args(root: Path) -> list[str]:
     """The ``loca`` flags that point at :func:`save_model_and_task`'s folder, on the CPU, r = k = 4."""
-    return ["--model", str(root / "model"), "--task", str(root / "task.jsonl"),
-            "--template", SENTIMENT_TEMPLATE, "--device", "cpu",
-            "--rank", "4", "--feedback-rank", "4"]  # fmt: skip
+    return [
+        "--model",
+        str(root / "model"),
+        "--task",
+        str(root / "task.jsonl"),
+        "--template",
+        SENTIMENT_TEMPLATE,
+        "--device",
+        "cpu",
+        "--rank",
+        "4",
+        "--feedback-rank",
+        "4",
+    ]

@@ -148,7 +148,8 @@ class LocaConfig(Settings):
         },
     )
     lam_rel: list[float] = option(
-        [1e-3], "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r",
+        [1e-3],
+        "relative ridge candidates of the adapter solve: λ = λ_rel·trace(G)/r",
         section="fit",
     )
     ridge_center: str = option(
@@ -233,7 +234,8 @@ class LocaConfig(Settings):
         20, "maximum number of outer iterations T_max (adaptive: of steps tried)", section="fit"
     )
     patience: int = option(
-        3, "stop a trajectory after this many iterations (adaptive: tries) without held-out improvement",
+        3,
+        "stop a trajectory after this many iterations (adaptive: tries) without held-out improvement",
         section="fit",
     )
     groups: int = option(1, "Gauss–Seidel groups: 1 = Jacobi, num_blocks = full Gauss–Seidel", section="fit")
@@ -298,12 +300,24 @@ class LocaConfig(Settings):
 # trajectories, one calibration); it stays reproducible whatever the defaults become.
 PRESETS: dict[str, dict] = {
     "paper": dict(
-        rank=32, feedback_rank=8, beta_rel=1e-3, feedback_gate="none", lam_rel=[1e-3], ridge_center="zero",
+        rank=32,
+        feedback_rank=8,
+        beta_rel=1e-3,
+        feedback_gate="none",
+        lam_rel=[1e-3],
+        ridge_center="zero",
         etas=[0.003, 0.01, 0.03],
-        step_scale="rms", step_control="fixed", a_init="random", recalibrate_every=0, calibration_rounds=1,
+        step_scale="rms",
+        step_control="fixed",
+        a_init="random",
+        recalibrate_every=0,
+        calibration_rounds=1,
         probe_synthetic=0,
-        max_iters=40, patience=3, groups=1, probe_positions=1000,
-    ),  # fmt: skip
+        max_iters=40,
+        patience=3,
+        groups=1,
+        probe_positions=1000,
+    ),
     "default": {},
 }
 
@@ -328,8 +342,9 @@ class ModelConfig(Settings):
         "or arch:NAME, a published architecture with random weights (arch:qwen2.5-7b, see loca.archs)",
     )
     device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda if available)")
-    dtype: str = option("float32", "backbone dtype (adapters and statistics stay float32/float64)",
-                        choices=DTYPES)  # fmt: skip
+    dtype: str = option(
+        "float32", "backbone dtype (adapters and statistics stay float32/float64)", choices=DTYPES
+    )
     trust_remote_code: bool = option(
         False, "allow running Python code shipped with the model (auto_map); off by default"
     )
@@ -362,8 +377,10 @@ class DataConfig(Settings):
     n_test: int = option(200, "test examples (0: the whole test split)")
 
     def checks(self) -> dict[str, bool]:  # counts: integers ≥ 0
-        return {k: isinstance(getattr(self, k), int) and getattr(self, k) >= 0
-                for k in ("n_train", "n_heldout", "n_test")}  # fmt: skip
+        return {
+            k: isinstance(getattr(self, k), int) and getattr(self, k) >= 0
+            for k in ("n_train", "n_heldout", "n_test")
+        }
 
 
 def sections_from_dict(obj: dict) -> dict:

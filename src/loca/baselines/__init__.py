@@ -7,7 +7,17 @@ from .lora import LoraRun, LoraSettings, fit_lora
 from .mezo import MezoRun, MezoSettings, fit_adapter_mezo, fit_mezo
 
 __all__ = [
-    "AdapterBpRun", "AdapterBpSettings", "HeldoutSelector", "LoraRun", "LoraSettings", "MethodResult",
-    "MezoRun", "MezoSettings", "completion_loss", "fit_adapter_bp", "fit_adapter_mezo", "fit_lora",
+    "AdapterBpRun",
+    "AdapterBpSettings",
+    "HeldoutSelector",
+    "LoraRun",
+    "LoraSettings",
+    "MethodResult",
+    "MezoRun",
+    "MezoSettings",
+    "completion_loss",
+    "fit_adapter_bp",
+    "fit_adapter_mezo",
+    "fit_lora",
     "fit_mezo",
-]  # fmt: skip
+]

@@ -137,8 +137,10 @@ class BackpropAdapters:
         b = batch.to(self.parts.device)
         flat = b.pos_b * b.input_ids.shape[1] + b.pos_t  # rows of the flattened B·T positions
         self._rows = {flat.device: flat}
-        handles = [blk.register_forward_hook(self._hook(l), with_kwargs=True)
-                   for l, blk in enumerate(self.parts.blocks)]  # fmt: skip
+        handles = [
+            blk.register_forward_hook(self._hook(l), with_kwargs=True)
+            for l, blk in enumerate(self.parts.blocks)
+        ]
         try:
             with torch.enable_grad():
                 loss = completion_loss(self.parts, b)
@@ -195,9 +197,11 @@ def fit_adapter_bp(
     stop_reasons: dict[str, str] = {}
     steps_done: dict[str, int] = {}
     bar = tqdm(
-        total=len(settings.lrs) * settings.epochs * len(train), desc="Adapter-BP", unit="step",
+        total=len(settings.lrs) * settings.epochs * len(train),
+        desc="Adapter-BP",
+        unit="step",
         disable=not progress,
-    )  # fmt: skip
+    )
 
     def evaluate(candidate: dict | None, step: int, **extra) -> float:
         trainer.push()
@@ -230,10 +234,14 @@ def fit_adapter_bp(
             adapters.detach()
         raise
     result = selector.result(
-        "adapter_bp", "step",
-        n_trainable_params=sum(p.numel() for p in trainer.params), stop_reasons=stop_reasons,
-        steps_done=steps_done, credit=settings.credit, settings=settings.to_dict(),
-    )  # fmt: skip
+        "adapter_bp",
+        "step",
+        n_trainable_params=sum(p.numel() for p in trainer.params),
+        stop_reasons=stop_reasons,
+        steps_done=steps_done,
+        credit=settings.credit,
+        settings=settings.to_dict(),
+    )
     return AdapterBpRun(result, adapters, adapters.detach)
 
 

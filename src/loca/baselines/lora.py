@@ -67,8 +67,9 @@ class LoraSettings(Settings):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.select and len(self.lrs) != 1:
-            raise ValueError(f"LoraSettings(select=False) keeps the last iterate of one learning rate; "
-                             f"got lrs={self.lrs}")  # fmt: skip
+            raise ValueError(
+                f"LoraSettings(select=False) keeps the last iterate of one learning rate; got lrs={self.lrs}"
+            )
 
 
 def _linear_names(blocks: nn.Module) -> list[str]:
@@ -195,16 +196,21 @@ def fit_lora(
     run: LoraRun | None = None
     select = settings.select
     selector = HeldoutSelector(
-        parts, heldout, snapshot=lambda: run.state_dict() if select else None,
-        restore=lambda s: run.load_state_dict(s), on_row=on_row,
-    )  # fmt: skip
+        parts,
+        heldout,
+        snapshot=lambda: run.state_dict() if select else None,
+        restore=lambda s: run.load_state_dict(s),
+        on_row=on_row,
+    )
     cuda = sorted({d.index or 0 for d in parts.block_devices() if d.type == "cuda"})
     step_unit = "step" if settings.eval_every > 0 else "epoch"
     stop_reasons: dict[str, str] = {}
     bar = tqdm(
-        total=len(settings.lrs) * settings.epochs * len(train), desc="LoRA", unit="step",
+        total=len(settings.lrs) * settings.epochs * len(train),
+        desc="LoRA",
+        unit="step",
         disable=not progress,
-    )  # fmt: skip
+    )
     try:
         with torch.random.fork_rng(devices=cuda):  # seeded init and dropout; the caller's RNG is kept
             torch.manual_seed(settings.seed)
@@ -229,10 +235,15 @@ def fit_lora(
     finally:
         bar.close()
     run.result = selector.result(
-        "lora", step_unit, last_iterate=not select,
-        n_trainable_params=run.n_trainable_params, stop_reasons=stop_reasons,
-        rank=settings.rank, alpha=settings.alpha, target_modules=list(settings.target_modules),
-    )  # fmt: skip
+        "lora",
+        step_unit,
+        last_iterate=not select,
+        n_trainable_params=run.n_trainable_params,
+        stop_reasons=stop_reasons,
+        rank=settings.rank,
+        alpha=settings.alpha,
+        target_modules=list(settings.target_modules),
+    )
     return run
 
 
@@ -259,8 +270,9 @@ def _train_candidate(
         parts.model.eval()
         train_loss = float(torch.stack(losses).double().mean()) if losses else None
         losses.clear()
-        ce = selector.evaluate(candidate, epoch if step_unit == "epoch" else step,
-                               epoch=epoch, train_loss=train_loss)  # fmt: skip
+        ce = selector.evaluate(
+            candidate, epoch if step_unit == "epoch" else step, epoch=epoch, train_loss=train_loss
+        )
         bar.set_postfix(lr=f"{lr:g}", heldout_ce=f"{ce:.4f}", best=f"{selector.best_ce:.4f}")
         at = f"epoch {epoch}" if step_unit == "epoch" else f"step {step}"
         if train_loss is not None and not math.isfinite(train_loss):

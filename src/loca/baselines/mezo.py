@@ -206,9 +206,19 @@ def fit_adapter_mezo(
 
     try:
         result = _fit(
-            "adapter_mezo", parts, train, heldout, settings, spsa, ADAPTER_LRS,
-            reset=adapters.reset, snapshot=adapters.get_b, restore=put_b, progress=progress, on_row=on_row,
-        )  # fmt: skip
+            "adapter_mezo",
+            parts,
+            train,
+            heldout,
+            settings,
+            spsa,
+            ADAPTER_LRS,
+            reset=adapters.reset,
+            snapshot=adapters.get_b,
+            restore=put_b,
+            progress=progress,
+            on_row=on_row,
+        )
     except BaseException:
         if own:
             adapters.detach()
@@ -258,9 +268,19 @@ def fit_mezo(
 
     try:
         result = _fit(
-            "mezo", parts, train, heldout, settings, spsa, FULL_LRS,
-            reset=lambda: put(original), snapshot=snapshot, restore=put, progress=progress, on_row=on_row,
-        )  # fmt: skip
+            "mezo",
+            parts,
+            train,
+            heldout,
+            settings,
+            spsa,
+            FULL_LRS,
+            reset=lambda: put(original),
+            snapshot=snapshot,
+            restore=put,
+            progress=progress,
+            on_row=on_row,
+        )
     except BaseException:
         put(original)
         raise

@@ -29,11 +29,27 @@ from ..method.graphs import BatchGraphs, batch_graphs
 from ..method.run import calibrate_maps, run_loca
 from ..method.stage2 import block_groups, stage2_pass
 
-PHASES = ("forward", "backbone", "calibrate", "stage2", "stage2-eager", "full-run", "lora", "adapter-mezo",
-          "mezo")
+PHASES = (
+    "forward",
+    "backbone",
+    "calibrate",
+    "stage2",
+    "stage2-eager",
+    "full-run",
+    "lora",
+    "adapter-mezo",
+    "mezo",
+)
 # passes over the training tokens each phase makes (for tokens/s); None: not a pass over them
-PASSES = {"forward": 1, "backbone": 1, "stage2": 1, "stage2-eager": 1, "lora": 1, "adapter-mezo": 2,
-          "mezo": 2}
+PASSES = {
+    "forward": 1,
+    "backbone": 1,
+    "stage2": 1,
+    "stage2-eager": 1,
+    "lora": 1,
+    "adapter-mezo": 2,
+    "mezo": 2,
+}
 
 
 def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[str, Callable[[], object]]:
@@ -70,8 +86,18 @@ def build_phases(pipeline, names: list[str], full_run_iters: int = 5) -> dict[st
         def stage2_with(graphs: BatchGraphs | None) -> Callable[[], None]:
             def stage2() -> None:
                 with adapters:
-                    stage2_pass(parts, adapters, maps, batches, b_start, cfg.etas[0], cfg.lam_rel[0], cfg,
-                                groups, graphs=graphs)  # fmt: skip
+                    stage2_pass(
+                        parts,
+                        adapters,
+                        maps,
+                        batches,
+                        b_start,
+                        cfg.etas[0],
+                        cfg.lam_rel[0],
+                        cfg,
+                        groups,
+                        graphs=graphs,
+                    )
 
             return stage2
 
@@ -122,8 +148,16 @@ def ratio_table(rows: list[dict], tokens: int) -> str:
     for r in rows:
         passes = PASSES.get(r["phase"])
         tps = f"{tokens * passes / r['time_s']:,.0f}" if passes and r["time_s"] > 0 else "—"
-        cells = [r["phase"], f"{r['time_s']:.3f}", ratio(r, "forward", "time_s"), ratio(r, "lora", "time_s"),
-                 f"{r['peak_mb']:.1f}", ratio(r, "forward", "peak_mb"), ratio(r, "lora", "peak_mb"),
-                 f"{r['median_mb']:.1f}", tps]  # fmt: skip
+        cells = [
+            r["phase"],
+            f"{r['time_s']:.3f}",
+            ratio(r, "forward", "time_s"),
+            ratio(r, "lora", "time_s"),
+            f"{r['peak_mb']:.1f}",
+            ratio(r, "forward", "peak_mb"),
+            ratio(r, "lora", "peak_mb"),
+            f"{r['median_mb']:.1f}",
+            tps,
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

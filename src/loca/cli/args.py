@@ -56,10 +56,17 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_dataclass_args(
-    p: argparse.ArgumentParser, cls, *, title: str, prefix: str = "", skip: tuple[str, ...] = (),
-    only_given: bool = False, defaults: dict | None = None, section: str | None = None,
+    p: argparse.ArgumentParser,
+    cls,
+    *,
+    title: str,
+    prefix: str = "",
+    skip: tuple[str, ...] = (),
+    only_given: bool = False,
+    defaults: dict | None = None,
+    section: str | None = None,
     description: str | None = None,
-) -> argparse._ArgumentGroup:  # fmt: skip
+) -> argparse._ArgumentGroup:
     """One flag per field of the dataclass ``cls`` (``--{prefix}-{field}``), with its help text and
     default (``defaults`` overrides the field's, for this command); lists take several values,
     booleans ``--x/--no-x``, fields with ``choices`` metadata are checked. ``section``: only the
@@ -78,14 +85,22 @@ def add_dataclass_args(
             default = argparse.SUPPRESS
         kind = _field_type(cls, f.name)
         if kind is bool:
-            g.add_argument(flag, dest=dest, default=default, action=argparse.BooleanOptionalAction,
-                           help=help_text)  # fmt: skip
+            g.add_argument(
+                flag, dest=dest, default=default, action=argparse.BooleanOptionalAction, help=help_text
+            )
         elif isinstance(kind, list):
-            g.add_argument(flag, dest=dest, type=_comma_list(kind[0]), nargs="+", default=default,
-                           help=help_text + "; space- or comma-separated")
+            g.add_argument(
+                flag,
+                dest=dest,
+                type=_comma_list(kind[0]),
+                nargs="+",
+                default=default,
+                help=help_text + "; space- or comma-separated",
+            )
         else:
-            g.add_argument(flag, dest=dest, type=kind, default=default, help=help_text,
-                           choices=f.metadata.get("choices"))  # fmt: skip
+            g.add_argument(
+                flag, dest=dest, type=kind, default=default, help=help_text, choices=f.metadata.get("choices")
+            )
     return g
 
 
@@ -123,21 +138,37 @@ def dataclass_from_args(cls, args: argparse.Namespace, prefix: str = "", build: 
 
 
 def add_config_args(
-    p: argparse.ArgumentParser, skip: tuple[str, ...] = (), sections: tuple[str, ...] = tuple(SECTIONS),
+    p: argparse.ArgumentParser,
+    skip: tuple[str, ...] = (),
+    sections: tuple[str, ...] = tuple(SECTIONS),
     notes: dict[str, str] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """The LoCA section's flags, one group per section (``notes`` adds a line to a group's
     description), plus ``--preset`` and ``--config``."""
     for section in sections:
-        add_dataclass_args(p, LocaConfig, title=f"LoCA: {SECTIONS[section]}", skip=skip, only_given=True,
-                           section=section, description=(notes or {}).get(section))  # fmt: skip
+        add_dataclass_args(
+            p,
+            LocaConfig,
+            title=f"LoCA: {SECTIONS[section]}",
+            skip=skip,
+            only_given=True,
+            section=section,
+            description=(notes or {}).get(section),
+        )
     g = p.add_argument_group("configuration")
-    g.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="named LoCA configuration the flags start from ('paper': the paper's method; "
-                   "default 'default')")  # fmt: skip
-    g.add_argument("--config", default=None, metavar="FILE",
-                   help="settings from a JSON or YAML file: a run's config.json (its model, data and "
-                   "loca sections) or an object of LoCA settings; flags given override it")  # fmt: skip
+    g.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="named LoCA configuration the flags start from ('paper': the paper's method; default 'default')",
+    )
+    g.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="settings from a JSON or YAML file: a run's config.json (its model, data and "
+        "loca sections) or an object of LoCA settings; flags given override it",
+    )
 
 
 def read_config_file(path: str) -> dict:
@@ -176,8 +207,12 @@ def resolve_section(args: argparse.Namespace, name: str, **defaults):
     (the command's), the field's default. The data folder falls back to ``$LOCA_DATA_DIR``."""
     cls = SECTION_CLASSES[name]
     preset = preset_values(getattr(args, "preset", None) or "default") if name == "loca" else {}
-    values = {**defaults, **preset, **_file_sections(args).get(name, {}),
-              **dataclass_from_args(cls, args, build=False)}  # fmt: skip
+    values = {
+        **defaults,
+        **preset,
+        **_file_sections(args).get(name, {}),
+        **dataclass_from_args(cls, args, build=False),
+    }
     if name == "data":
         values["data_dir"] = resolve_data_dir(values.get("data_dir"))
     return cls(**values)

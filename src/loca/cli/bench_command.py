@@ -72,8 +72,13 @@ def run(args: argparse.Namespace) -> int:
         make = lambda n, seed: synthetic_items(n, args.synthetic_length, vocab, seed, eos)  # noqa: E731
         run.use_items(make(run.data.n_train, run.cfg.seed), make(run.data.n_heldout, run.cfg.seed + 1))
     if distributed.is_main():  # under torchrun: rank 0 writes, every rank measures its share
-        prepare_run_dir(args.out, "bench", model=model_cfg.model, overwrite=args.overwrite,
-                        writes=("bench.json", "bench.md"))  # fmt: skip
+        prepare_run_dir(
+            args.out,
+            "bench",
+            model=model_cfg.model,
+            overwrite=args.overwrite,
+            writes=("bench.json", "bench.md"),
+        )
     distributed.barrier()
     parts, task, cfg = run.parts, run.task, run.cfg
     items = run.encoded()[0]
@@ -142,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _caption(setup: dict) -> str:
     where = setup["gpu"] or f"CPU ({setup['threads']} threads)"
-    return (f"`loca bench`: {setup['model']} ({setup['dtype']}) on {where}, task {setup['task']}: "
-            f"{setup['sequences']} sequences in {setup['batches']} batches, {setup['tokens']} tokens; "
-            "median time of the repeats, peak and median memory beyond the loaded model")
+    return (
+        f"`loca bench`: {setup['model']} ({setup['dtype']}) on {where}, task {setup['task']}: "
+        f"{setup['sequences']} sequences in {setup['batches']} batches, {setup['tokens']} tokens; "
+        "median time of the repeats, peak and median memory beyond the loaded model"
+    )

@@ -40,17 +40,23 @@ CALIBRATE_DATA = {**DATA_DEFAULTS, "n_test": 0}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_data_args(p, **CALIBRATE_DATA)
-    add_config_args(p, notes={"fit": "used only with --calibration-rounds 2 or more, by the calibration "
-                              "rounds' short fits"})  # fmt: skip
+    add_config_args(
+        p,
+        notes={"fit": "used only with --calibration-rounds 2 or more, by the calibration rounds' short fits"},
+    )
     p.add_argument("--out", required=True, help="folder for feedback_maps.safetensors + feedback_config.json")
     add_output_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if config_from_args(args).calibration_rounds == 1:  # the effective value: flag, --config or preset
-        refuse_flags(args, section_fields("fit"), "configure Stage II and do not apply to `loca "
-                     "calibrate` (with --calibration-rounds 2 or more they configure the calibration's "
-                     "short fits)")  # fmt: skip
+        refuse_flags(
+            args,
+            section_fields("fit"),
+            "configure Stage II and do not apply to `loca "
+            "calibrate` (with --calibration-rounds 2 or more they configure the calibration's "
+            "short fits)",
+        )
     pipeline = pipeline_from_args(args, **CALIBRATE_DATA)
     refuse_model_folder(Path(args.out), pipeline.model_config.model)
     ensure_replaceable(Path(args.out), MAPS_CONFIG, "loca-feedback-maps")  # before the work

@@ -40,11 +40,15 @@ from .args import (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--data-dir", default=None,
-                   help="folder of task folders (default: $LOCA_DATA_DIR, else the HF hub)")
+    p.add_argument(
+        "--data-dir", default=None, help="folder of task folders (default: $LOCA_DATA_DIR, else the HF hub)"
+    )
     p.add_argument("--out", required=True, help="comparison folder (resumable)")
-    p.add_argument("--report-only", action="store_true",
-                   help="only redraw results/tables/plots from the cells stored in --out")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="only redraw results/tables/plots from the cells stored in --out",
+    )
     add_dataclass_args(p, CompareSettings, title="comparison")
     add_config_args(p, skip=LOCA.skip)
     for o in baseline_options():  # the methods' settings (compare.methods.REGISTRY)
@@ -78,15 +82,24 @@ def run(args: argparse.Namespace) -> int:
     distributed.barrier()
     configs = method_configs(args)
     report = run_compare(
-        settings, configs, model=model, out=args.out, data_dir=resolve_data_dir(args.data_dir),
-    )  # fmt: skip
+        settings,
+        configs,
+        model=model,
+        out=args.out,
+        data_dir=resolve_data_dir(args.data_dir),
+    )
     if not distributed.is_main():
         return 0
     print(open(f"{args.out}/table.md").read())
     head = report["summary"].get("loca_vs_lora")
     if head:
-        print(f"LoCA vs LoRA: CE below LoRA in {head['loca_ce_below_lora']}/{len(head['tasks'])} tasks, "
-              f"median R_CE {head['median_R_CE']}, median R_acc {head['median_R_acc']}"
-              + (f", median R_ceiling {head['median_R_ceiling']}" if head.get("median_R_ceiling") is not None
-                 else ""))  # fmt: skip
+        print(
+            f"LoCA vs LoRA: CE below LoRA in {head['loca_ce_below_lora']}/{len(head['tasks'])} tasks, "
+            f"median R_CE {head['median_R_CE']}, median R_acc {head['median_R_acc']}"
+            + (
+                f", median R_ceiling {head['median_R_ceiling']}"
+                if head.get("median_R_ceiling") is not None
+                else ""
+            )
+        )
     return 0

@@ -33,16 +33,24 @@ from .args import (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    add_dataclass_args(p, DataConfig, title="data", skip=("n_train", "n_heldout"), only_given=True,
-                       defaults={"n_test": 0})  # fmt: skip
-    add_dataclass_args(p, LocaConfig, title="evaluation", section="shared", only_given=True,
-                       description="--add-eos defaults to the task's setting; --seed draws the test "
-                       "sample (a fit's seed gives its test set)")  # fmt: skip
+    add_dataclass_args(
+        p, DataConfig, title="data", skip=("n_train", "n_heldout"), only_given=True, defaults={"n_test": 0}
+    )
+    add_dataclass_args(
+        p,
+        LocaConfig,
+        title="evaluation",
+        section="shared",
+        only_given=True,
+        description="--add-eos defaults to the task's setting; --seed draws the test "
+        "sample (a fit's seed gives its test set)",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--adapter", default=None, help="saved LoCA adapter folder (from `loca fit`) to attach")
     g.add_argument("--out", required=True, help="output folder; receives results.json")
-    g.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier `loca evaluate` run's results in --out")  # fmt: skip
+    g.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier `loca evaluate` run's results in --out"
+    )
     add_output_args(p)
 
 
@@ -51,8 +59,13 @@ def run(args: argparse.Namespace) -> int:
     pipeline = pipeline_from_args(args, n_test=0)
     if not hasattr(args, "add_eos"):
         pipeline.cfg = replace(pipeline.cfg, add_eos=pipeline.task.add_eos)
-    prepare_run_dir(args.out, "evaluate", model=pipeline.model_config.model, overwrite=args.overwrite,
-                    writes=("results.json",))  # fmt: skip
+    prepare_run_dir(
+        args.out,
+        "evaluate",
+        model=pipeline.model_config.model,
+        overwrite=args.overwrite,
+        writes=("results.json",),
+    )
     examples, record = pipeline.test_set()
     adapters = None
     if args.adapter:
@@ -73,8 +86,13 @@ def run(args: argparse.Namespace) -> int:
         "adapter_norm": None if adapters is None else adapters.norm(),
         "task": pipeline.task.describe(),
         "data_dir": pipeline.data.data_dir,
-        "settings": {"max_length": cfg.max_length, "batch_size": cfg.batch_size, "add_eos": cfg.add_eos,
-                     "n_test": pipeline.data.n_test, "seed": cfg.seed},  # fmt: skip
+        "settings": {
+            "max_length": cfg.max_length,
+            "batch_size": cfg.batch_size,
+            "add_eos": cfg.add_eos,
+            "n_test": pipeline.data.n_test,
+            "seed": cfg.seed,
+        },
         "test_set": record,
         "fingerprint": fingerprint(pipeline.parts),
         "versions": versions(),
@@ -83,8 +101,10 @@ def run(args: argparse.Namespace) -> int:
     }
     print(format_metrics(pipeline.task.name, m.model, metrics, adapter=args.adapter))
     if metrics["n_truncated"]:
-        warn(f"{metrics['n_truncated']} of {metrics['n_test']} prompts were cut from the left to fit "
-             f"--max-length {cfg.max_length}; their question may be lost")  # fmt: skip
+        warn(
+            f"{metrics['n_truncated']} of {metrics['n_test']} prompts were cut from the left to fit "
+            f"--max-length {cfg.max_length}; their question may be lost"
+        )
     out = Path(args.out) / "results.json"
     require_finite(metrics, "the evaluation")
     atomic_write_json(out, results)

@@ -38,22 +38,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_data_args(p, **DATA_DEFAULTS)
     add_config_args(p, notes={"calibration": "not with --maps (the maps are calibrated already)"})
     g = p.add_argument_group("run")
-    g.add_argument("--maps", default=None,
-                   help="load feedback maps (from `loca calibrate`) instead of calibrating: the fit "
-                   "then runs with autograd disabled")  # fmt: skip
+    g.add_argument(
+        "--maps",
+        default=None,
+        help="load feedback maps (from `loca calibrate`) instead of calibrating: the fit "
+        "then runs with autograd disabled",
+    )
     g.add_argument("--out", default=None, help="output folder (config, history, results, adapter, maps)")
-    g.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier `loca fit` run in --out, or add this run's "
-                   "files to a non-empty folder (nothing else there is deleted)")  # fmt: skip
-    g.add_argument("--resume", action="store_true",
-                   help="continue the interrupted run in --out from its last completed iteration, "
-                   "with the settings of its config.json (no other settings may be given)")  # fmt: skip
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results of an earlier `loca fit` run in --out, or add this run's "
+        "files to a non-empty folder (nothing else there is deleted)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in --out from its last completed iteration, "
+        "with the settings of its config.json (no other settings may be given)",
+    )
     add_output_args(p)
 
 
 # flags that --resume refuses: the run's own config.json gives every setting
-_SETTINGS = (*(f.name for f in fields(ModelConfig)), *(f.name for f in fields(DataConfig)),
-             "maps", "config", "preset", "overwrite")  # fmt: skip
+_SETTINGS = (
+    *(f.name for f in fields(ModelConfig)),
+    *(f.name for f in fields(DataConfig)),
+    "maps",
+    "config",
+    "preset",
+    "overwrite",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,9 +84,13 @@ def run(args: argparse.Namespace) -> int:
         results = Pipeline.from_run(args.out, progress=progress).run(args.out, resume=True)
     else:
         if args.maps:
-            refuse_flags(args, section_fields("calibration"), "configure calibration and do not "
-                         "apply with --maps (the maps are already calibrated); drop them or calibrate "
-                         "again")  # fmt: skip
+            refuse_flags(
+                args,
+                section_fields("calibration"),
+                "configure calibration and do not "
+                "apply with --maps (the maps are already calibrated); drop them or calibrate "
+                "again",
+            )
         pipeline = pipeline_from_args(args, **DATA_DEFAULTS)
         results = pipeline.run(args.out, maps=args.maps, overwrite=args.overwrite)
     if distributed.is_main():

@@ -35,8 +35,13 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
     m = model_config_from_args(args)
-    model, tokenizer = load_model(m.model, device=m.device, dtype=m.dtype, random_init=m.random_init,
-                                  trust_remote_code=m.trust_remote_code)  # fmt: skip
+    model, tokenizer = load_model(
+        m.model,
+        device=m.device,
+        dtype=m.dtype,
+        random_init=m.random_init,
+        trust_remote_code=m.trust_remote_code,
+    )
     text = args.prompt
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
@@ -63,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
 def continuation(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> str:
     """Greedy continuation of ``ids`` (KV cache on), decoded without special tokens."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                         pad_token_id=pad, attention_mask=torch.ones_like(ids))  # fmt: skip
+    out = model.generate(
+        ids,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=pad,
+        attention_mask=torch.ones_like(ids),
+    )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -16,12 +16,19 @@ from ..data.splits import PARTITION_SEED, PARTITION_TEST_FRACTION
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--show", metavar="NAME", default=None,
-                   help="show one task (a registry name, or a JSON Lines file with --template)")
+    p.add_argument(
+        "--show",
+        metavar="NAME",
+        default=None,
+        help="show one task (a registry name, or a JSON Lines file with --template)",
+    )
     p.add_argument("--template", default=None, help="prompt template to show instead")
-    p.add_argument("--data-dir", default=None,
-                   help="folder of task folders (default: $LOCA_DATA_DIR, else the HF hub); used for "
-                        "the example and the split policy")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder of task folders (default: $LOCA_DATA_DIR, else the HF hub); used for "
+        "the example and the split policy",
+    )
 
 
 def _one_line(template: str) -> str:
@@ -33,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'task':14} {'hub':34} template")
         for t in TASKS.values():
             print(f"{t.name:14} {str(t.hub):34} {_one_line(t.template)}")
-        print("\nuser tasks: a JSON Lines file in loca's task schema with --template "
-              "'...{question}...' (see docs/tasks.md); `loca tasks --show NAME` for details")
+        print(
+            "\nuser tasks: a JSON Lines file in loca's task schema with --template "
+            "'...{question}...' (see docs/tasks.md); `loca tasks --show NAME` for details"
+        )
         return 0
     task = get_task(args.show, template=args.template)
     data_dir = resolve_data_dir(args.data_dir)
@@ -46,19 +55,21 @@ def run(args: argparse.Namespace) -> int:
     source = describe_source(task, data_dir)
     print(f"source now  {source}")
     if has_split(task, task.train_split, data_dir):
-        policy = (f"train pool = split {task.train_split!r}; test = split "
-                  f"{task.validation_split!r}")
+        policy = f"train pool = split {task.train_split!r}; test = split {task.validation_split!r}"
     else:
-        policy = (f"no train split at this source: split {task.validation_split!r} is "
-                  f"partitioned (seed {PARTITION_SEED}) into a train pool and a test part "
-                  f"({PARTITION_TEST_FRACTION:.0%})")
+        policy = (
+            f"no train split at this source: split {task.validation_split!r} is "
+            f"partitioned (seed {PARTITION_SEED}) into a train pool and a test part "
+            f"({PARTITION_TEST_FRACTION:.0%})"
+        )
     print(f"splits      {policy}")
     print("\ntemplate:")
     print(_indent(task.template))
     ex, origin = task.sample, "built-in sample item"
     if source_kind(task, data_dir) == "local":
-        ex, origin = load_task_split(task, task.validation_split, data_dir)[0], (
-            f"first item of split {task.validation_split!r}"
+        ex, origin = (
+            load_task_split(task, task.validation_split, data_dir)[0],
+            (f"first item of split {task.validation_split!r}"),
         )
     if ex is None:
         return 0

@@ -99,7 +99,8 @@ def run_loca(cell: CellData, cfg: LocaConfig, method: str = "loca") -> Outcome:
             "recalibration_time_s": res.recalibration_time_s,
             "alignment_during_fit": [
                 {"iteration": r["iteration"], "median": r["median"], "per_block": r["alignment"]}
-                for r in res.history if r.get("diagnostic") == "heldout_alignment"
+                for r in res.history
+                if r.get("diagnostic") == "heldout_alignment"
             ],
         },
     )
@@ -126,8 +127,9 @@ def run_adapter_bp(cell: CellData, settings, method: str = "adapter-bp") -> Outc
         a = principal_a(cell.parts, cell.train, settings.rank, settings.seed)
     adapters = ResidualAdapters(cell.parts, rank=settings.rank, seed=settings.seed, a=a)
     try:
-        run = fit_adapter_bp(cell.parts, cell.minibatches, cell.heldout, settings, adapters=adapters,
-                             progress=False)  # fmt: skip
+        run = fit_adapter_bp(
+            cell.parts, cell.minibatches, cell.heldout, settings, adapters=adapters, progress=False
+        )
     except BaseException:
         adapters.detach()
         raise
@@ -169,8 +171,9 @@ LOCA = Options("loca", LocaConfig, None)
 LORA = Options("lora", LoraSettings, "lora", "LoRA", skip=("seed", "select"))
 # Adapter-BP trains LoCA's adapters: rank and A from the LoCA flags; the credit from the method
 # name (adapter-bp: all positions, adapter-bp-predict: the predict positions).
-ADAPTER_BP = Options("adapter_bp", AdapterBpSettings, "adapter-bp", "Adapter-BP",
-                     skip=("seed", "rank", "a_init", "credit"))  # fmt: skip
+ADAPTER_BP = Options(
+    "adapter_bp", AdapterBpSettings, "adapter-bp", "Adapter-BP", skip=("seed", "rank", "a_init", "credit")
+)
 # MeZO's time budget comes from --mezo-time-budget and Adapter-MeZO's adapter rank from --rank (it
 # perturbs the same adapters LoCA fits).
 _MEZO_SKIP = ("seed", "time_budget_s", "rank")
@@ -268,8 +271,9 @@ def _lora(m: Method, c: Context) -> dict:
 def _adapter_bp(m: Method, c: Context) -> dict:
     """LoCA's adapters: its rank and A."""
     loca = c.configs.loca
-    return replace(c.configs.of(m.options), seed=c.seed, rank=loca.rank, a_init=loca.a_init,
-                   **m.preset).to_dict()  # fmt: skip
+    return replace(
+        c.configs.of(m.options), seed=c.seed, rank=loca.rank, a_init=loca.a_init, **m.preset
+    ).to_dict()
 
 
 def _mezo_budget(c: Context) -> float | None:
@@ -299,20 +303,52 @@ REGISTRY: dict[str, Method] = {
         Method("lora", "LoRA", "C0", run_lora, LORA, _lora, default=True),
         # the paper's LoRA protocol (one lr, 3 epochs, no selection: the last iterate); the other
         # LoRA settings (rank, alpha, modules, clipping, evaluation points) are --lora-*'s.
-        Method("lora-paper", "LoRA (paper)", "navy", run_lora, LORA, _lora,
-               preset={"lrs": [2e-4], "epochs": 3, "select": False}),
+        Method(
+            "lora-paper",
+            "LoRA (paper)",
+            "navy",
+            run_lora,
+            LORA,
+            _lora,
+            preset={"lrs": [2e-4], "epochs": 3, "select": False},
+        ),
         Method("loca", "LoCA", "C3", run_loca, LOCA, _loca, default=True, r_ceiling=True),
-        Method("loca-abs", "LoCA (abs η)", "C1", run_loca, LOCA, _loca_abs, preset={"step_scale": "absolute"},
-               r_ceiling=True),
-        Method("adapter-bp", "Adapter-BP", "darkred", run_adapter_bp, ADAPTER_BP, _adapter_bp,
-               preset={"credit": "all"}, ceiling=2),
-        Method("adapter-bp-predict", "Adapter-BP (predict)", "lightcoral", run_adapter_bp, ADAPTER_BP,
-               _adapter_bp, preset={"credit": "predict"}, ceiling=1),
-        Method("adapter-mezo", "Adapter-MeZO", "C2", run_adapter_mezo, ADAPTER_MEZO, _adapter_mezo,
-               default=True),
+        Method(
+            "loca-abs",
+            "LoCA (abs η)",
+            "C1",
+            run_loca,
+            LOCA,
+            _loca_abs,
+            preset={"step_scale": "absolute"},
+            r_ceiling=True,
+        ),
+        Method(
+            "adapter-bp",
+            "Adapter-BP",
+            "darkred",
+            run_adapter_bp,
+            ADAPTER_BP,
+            _adapter_bp,
+            preset={"credit": "all"},
+            ceiling=2,
+        ),
+        Method(
+            "adapter-bp-predict",
+            "Adapter-BP (predict)",
+            "lightcoral",
+            run_adapter_bp,
+            ADAPTER_BP,
+            _adapter_bp,
+            preset={"credit": "predict"},
+            ceiling=1,
+        ),
+        Method(
+            "adapter-mezo", "Adapter-MeZO", "C2", run_adapter_mezo, ADAPTER_MEZO, _adapter_mezo, default=True
+        ),
         Method("mezo", "MeZO", "C4", run_mezo, MEZO, _mezo),
     ]
-}  # fmt: skip
+}
 METHODS = tuple(REGISTRY)
 DEFAULT_METHODS = [m.name for m in REGISTRY.values() if m.default]
 # R_ceiling's reference: the first of these whose cell exists

@@ -61,8 +61,15 @@ def write_plots(out: str | Path, cells: list[dict], rows: list[dict]) -> list[Pa
                     ax.axhline(fit["heldout_ce"], color=colors[m], ls=":", lw=1, label=label and "frozen")
                     continue
                 xs, ys = _best_so_far(fit["history"]) if "time" in fname else _selected_curve(fit)
-                ax.plot(xs, ys, color=colors[m], lw=1.2, alpha=0.8, label=label,
-                        marker="." if len(xs) < 60 else None)  # fmt: skip
+                ax.plot(
+                    xs,
+                    ys,
+                    color=colors[m],
+                    lw=1.2,
+                    alpha=0.8,
+                    label=label,
+                    marker="." if len(xs) < 60 else None,
+                )
             if "steps" in fname:
                 ax.set_xscale("symlog", linthresh=1)
             else:

@@ -25,13 +25,38 @@ from .store import jsonable
 LABELS = {m.name: m.label for m in REGISTRY.values()}
 METRICS = ("test_ce", "test_ce_no_eos", "acc", "acc_norm")
 COLUMNS = [
-    "model", "device", "task", "seed", "method", "n_train", "n_heldout", "n_test",
-    "heldout_ce", "frozen_heldout_ce",
-    "test_ce", "test_ce_stderr", "test_ce_no_eos", "test_ce_no_eos_stderr",
-    "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "R_CE", "R_acc", "R_ceiling", "ceiling_method",
-    "selected", "best_step", "step_unit", "improved",
-    "time_to_best_s", "fit_wall_time_s", "total_wall_time_s", "peak_memory_mb", "memory_kind",
-]  # fmt: skip
+    "model",
+    "device",
+    "task",
+    "seed",
+    "method",
+    "n_train",
+    "n_heldout",
+    "n_test",
+    "heldout_ce",
+    "frozen_heldout_ce",
+    "test_ce",
+    "test_ce_stderr",
+    "test_ce_no_eos",
+    "test_ce_no_eos_stderr",
+    "acc",
+    "acc_stderr",
+    "acc_norm",
+    "acc_norm_stderr",
+    "R_CE",
+    "R_acc",
+    "R_ceiling",
+    "ceiling_method",
+    "selected",
+    "best_step",
+    "step_unit",
+    "improved",
+    "time_to_best_s",
+    "fit_wall_time_s",
+    "total_wall_time_s",
+    "peak_memory_mb",
+    "memory_kind",
+]
 
 
 def loca_like(method: str) -> bool:
@@ -48,14 +73,24 @@ def rows_from_cells(cells: list[dict]) -> list[dict]:
     for c in cells:
         key, fit, test = c["key"], c["fit"], c["test"]
         row = {
-            "model": key["model"], "device": c["device"], "task": c["task"], "seed": c["seed"],
-            "method": c["method"], **{k: key["sizes"][k] for k in ("n_train", "n_heldout", "n_test")},
-            "heldout_ce": fit["heldout_ce"], "frozen_heldout_ce": fit["frozen_heldout_ce"],
-            "selected": fit["selected"], "best_step": fit["best_step"], "step_unit": fit["step_unit"],
-            "improved": fit["improved"], "time_to_best_s": fit["time_to_best_s"],
-            "fit_wall_time_s": fit["wall_time_s"], "total_wall_time_s": c["wall_time_s"],
-            "peak_memory_mb": c["peak_memory_mb"], "memory_kind": c["memory_kind"],
-        }  # fmt: skip
+            "model": key["model"],
+            "device": c["device"],
+            "task": c["task"],
+            "seed": c["seed"],
+            "method": c["method"],
+            **{k: key["sizes"][k] for k in ("n_train", "n_heldout", "n_test")},
+            "heldout_ce": fit["heldout_ce"],
+            "frozen_heldout_ce": fit["frozen_heldout_ce"],
+            "selected": fit["selected"],
+            "best_step": fit["best_step"],
+            "step_unit": fit["step_unit"],
+            "improved": fit["improved"],
+            "time_to_best_s": fit["time_to_best_s"],
+            "fit_wall_time_s": fit["wall_time_s"],
+            "total_wall_time_s": c["wall_time_s"],
+            "peak_memory_mb": c["peak_memory_mb"],
+            "memory_kind": c["memory_kind"],
+        }
         for m in METRICS:
             row[m] = test.get(m)
             row[f"{m}_stderr"] = test.get(f"{m}_stderr")
@@ -116,8 +151,16 @@ def summarize(rows: list[dict]) -> dict:
     per_task: dict[str, dict] = defaultdict(dict)
     for (task, method), rs in groups.items():
         agg = {"seeds": sorted(r["seed"] for r in rs)}
-        for k in (*METRICS, "heldout_ce", "R_CE", "R_acc", "R_ceiling", "fit_wall_time_s", "time_to_best_s",
-                  "peak_memory_mb"):  # fmt: skip
+        for k in (
+            *METRICS,
+            "heldout_ce",
+            "R_CE",
+            "R_acc",
+            "R_ceiling",
+            "fit_wall_time_s",
+            "time_to_best_s",
+            "peak_memory_mb",
+        ):
             mean, spread, n = _mean_spread([r[k] for r in rs])
             agg[k] = {"mean": mean, "std": spread, "n": n}
         per_task[task][method] = agg
@@ -187,20 +230,37 @@ def table_markdown(rows: list[dict]) -> str:
         f"per cell; seeds {', '.join(map(str, seeds))}; mean ± sample standard deviation over seeds. "
         f"R_CE and R_acc: LoCA against the same seed's LoRA ({RECOVERY_FLAG}: LoRA's gain too small "
         "for a ratio; (k/n): only k of n seeds had a ratio)."
-        + (" R_ceiling: LoCA's CE gain over the frozen model's relative to that of its own adapters "
-           "trained by backprop (Adapter-BP, the same seed; the predict-credit run where it ran)."
-           if ceiling else ""),
+        + (
+            " R_ceiling: LoCA's CE gain over the frozen model's relative to that of its own adapters "
+            "trained by backprop (Adapter-BP, the same seed; the predict-credit run where it ran)."
+            if ceiling
+            else ""
+        ),
         "",
-    ]  # fmt: skip
+    ]
 
     def table(metric: str, title: str, lower_better: bool, digits: int, ratios: tuple[str, ...]) -> None:
-        heads = {"R_CE": "R_CE (LoCA)", "R_acc": "R_acc (LoCA)",
-                 "R_ceiling": f"R_ceiling (LoCA vs {ceiling})"}  # fmt: skip
-        extra = [e for e in ratios if "loca" in methods
-                 and (ceiling is not None if e == "R_ceiling" else "lora" in methods)]  # fmt: skip
-        lines.extend([f"## {title}", "", "| task | " + " | ".join(LABELS[m] for m in methods)
-                      + "".join(f" | {heads[e]}" for e in extra) + " |",
-                      "|---|" + "---|" * (len(methods) + len(extra))])  # fmt: skip
+        heads = {
+            "R_CE": "R_CE (LoCA)",
+            "R_acc": "R_acc (LoCA)",
+            "R_ceiling": f"R_ceiling (LoCA vs {ceiling})",
+        }
+        extra = [
+            e
+            for e in ratios
+            if "loca" in methods and (ceiling is not None if e == "R_ceiling" else "lora" in methods)
+        ]
+        lines.extend(
+            [
+                f"## {title}",
+                "",
+                "| task | "
+                + " | ".join(LABELS[m] for m in methods)
+                + "".join(f" | {heads[e]}" for e in extra)
+                + " |",
+                "|---|" + "---|" * (len(methods) + len(extra)),
+            ]
+        )
         for t in tasks:
             means = {m: _mean_spread([r[metric] for r in cell[(t, m)]])[0] for m in methods}
             finite = {m: v for m, v in means.items() if math.isfinite(v)}
@@ -221,10 +281,15 @@ def table_markdown(rows: list[dict]) -> str:
     table("test_ce_no_eos", "Test CE per token without EOS", True, 3, ())
     table("acc", "Test accuracy (acc)", False, 3, ("R_acc",))
     table("acc_norm", "Test accuracy (acc_norm)", False, 3, ())
-    lines.extend(["## Wall time (s): whole fit with its selection (LoCA: calibration included); "
-                  "time to the best held-out CE in brackets", "",
-                  "| task | " + " | ".join(LABELS[m] for m in methods if m != "frozen") + " |",
-                  "|---|" + "---|" * (len(methods) - 1)])  # fmt: skip
+    lines.extend(
+        [
+            "## Wall time (s): whole fit with its selection (LoCA: calibration included); "
+            "time to the best held-out CE in brackets",
+            "",
+            "| task | " + " | ".join(LABELS[m] for m in methods if m != "frozen") + " |",
+            "|---|" + "---|" * (len(methods) - 1),
+        ]
+    )
     for t in tasks:
         vals = []
         for m in methods:
@@ -235,9 +300,15 @@ def table_markdown(rows: list[dict]) -> str:
             best = _mean_spread([r["time_to_best_s"] for r in rs])[0]
             vals.append(f"{wall:.0f} ({best:.0f})" if rs else "–")
         lines.append(f"| {t} | " + " | ".join(vals) + " |")
-    lines.extend(["", f"Peak memory beyond the loaded model ({rows[0]['memory_kind']}, MB, mean over seeds):",
-                  "", "| task | " + " | ".join(LABELS[m] for m in methods) + " |",
-                  "|---|" + "---|" * len(methods)])  # fmt: skip
+    lines.extend(
+        [
+            "",
+            f"Peak memory beyond the loaded model ({rows[0]['memory_kind']}, MB, mean over seeds):",
+            "",
+            "| task | " + " | ".join(LABELS[m] for m in methods) + " |",
+            "|---|" + "---|" * len(methods),
+        ]
+    )
     for t in tasks:
         vals = [_fmt([r["peak_memory_mb"] for r in cell[(t, m)]], 0).split(" ±")[0] for m in methods]
         lines.append(f"| {t} | " + " | ".join(vals) + " |")
@@ -258,8 +329,14 @@ def variants_markdown(rows: list[dict]) -> list[str]:
     lines = ["## LoCA configurations (loca = this run's LoCA flags; loca@NAME = a variant)", ""]
 
     def table(title: str, metric: str, digits: int, extra: list[tuple[str, object]]) -> None:
-        lines.extend([f"### {title}", "", "| configuration | " + " | ".join(tasks) + "".join(
-            f" | {h}" for h, _ in extra) + " |", "|---|" + "---|" * (len(tasks) + len(extra))])  # fmt: skip
+        lines.extend(
+            [
+                f"### {title}",
+                "",
+                "| configuration | " + " | ".join(tasks) + "".join(f" | {h}" for h, _ in extra) + " |",
+                "|---|" + "---|" * (len(tasks) + len(extra)),
+            ]
+        )
         for m in names:
             vals = [_fmt([r[metric] for r in cell[(t, m)]], digits) for t in tasks]
             vals += [f(m) for _, f in extra]
@@ -283,10 +360,14 @@ def variants_markdown(rows: list[dict]) -> list[str]:
 
     table("Held-out CE of the selected fit (what selection sees)", "heldout_ce", 3, [])
     ceiling = ceiling_label([r for r in rows if r["method"] in names])
-    table("Test CE per token (answer + EOS)", "test_ce", 3,
-          [("median R_CE", med("R_CE"))]
-          + ([(f"median R_ceiling (vs {ceiling})", med("R_ceiling"))] if ceiling else [])
-          + [("CE below LoRA", below_lora)])  # fmt: skip
+    table(
+        "Test CE per token (answer + EOS)",
+        "test_ce",
+        3,
+        [("median R_CE", med("R_CE"))]
+        + ([(f"median R_ceiling (vs {ceiling})", med("R_ceiling"))] if ceiling else [])
+        + [("CE below LoRA", below_lora)],
+    )
     table("Test CE per token without EOS", "test_ce_no_eos", 3, [])
     table("Test accuracy (acc)", "acc", 3, [("median R_acc", med("R_acc"))])
     table("Fit wall time (s), calibration and selection included", "fit_wall_time_s", 0, [])

@@ -70,8 +70,9 @@ class CompareSettings:
             except ValueError:
                 ok = False
             if not ok:
-                raise ValueError(f"mezo_time_budget must be 'auto', 'none' or seconds > 0, "
-                                 f"got {self.mezo_time_budget!r}")  # fmt: skip
+                raise ValueError(
+                    f"mezo_time_budget must be 'auto', 'none' or seconds > 0, got {self.mezo_time_budget!r}"
+                )
         if not self.loca_abs_etas or min(self.loca_abs_etas) <= 0:
             raise ValueError("loca_abs_etas must be positive")
         self._variants = self._parse_variants()  # read once; fails early on a malformed variant
@@ -133,9 +134,13 @@ def run_compare(
     start = time.perf_counter()
     tasks = [get_task(t) for t in settings.tasks]
     model_obj, tokenizer = load_model(
-        model.model, device=distributed.local_device(model.device), dtype=model.dtype,
-        random_init=model.random_init, trust_remote_code=model.trust_remote_code, device_map=model.device_map,
-    )  # fmt: skip
+        model.model,
+        device=distributed.local_device(model.device),
+        dtype=model.dtype,
+        random_init=model.random_init,
+        trust_remote_code=model.trust_remote_code,
+        device_map=model.device_map,
+    )
     parts = find_parts(model_obj)
     max_length, note = clamp_max_length(configs.loca.max_length, model_obj)
     if note:
@@ -148,32 +153,58 @@ def run_compare(
         **({"device_map": model.device_map} if model.device_map else {}),
         "device_type": parts.device.type,
         "versions": versions(),
-        "sizes": {"n_train": settings.n_train, "n_heldout": settings.n_heldout, "n_test": settings.n_test,
-                  "train_batch_size": settings.train_batch_size},
-        "evaluation": {"max_length": configs.loca.max_length, "batch_size": configs.loca.batch_size,
-                       "add_eos": configs.loca.add_eos},
-    }  # fmt: skip
+        "sizes": {
+            "n_train": settings.n_train,
+            "n_heldout": settings.n_heldout,
+            "n_test": settings.n_test,
+            "train_batch_size": settings.train_batch_size,
+        },
+        "evaluation": {
+            "max_length": configs.loca.max_length,
+            "batch_size": configs.loca.batch_size,
+            "add_eos": configs.loca.add_eos,
+        },
+    }
     main = distributed.is_main()  # under torchrun: rank 0 writes and logs, every rank computes
     if not main:
         log = _silent
     if main:
-        atomic_write_json(out / "config.json", {
-            "command": "compare", "model": model.to_dict(), "data_dir": data_dir, "device": str(parts.device),
-            "settings": asdict(settings), **configs.to_dict(), **base, "world_size": distributed.world_size(),
-        })  # fmt: skip
+        atomic_write_json(
+            out / "config.json",
+            {
+                "command": "compare",
+                "model": model.to_dict(),
+                "data_dir": data_dir,
+                "device": str(parts.device),
+                "settings": asdict(settings),
+                **configs.to_dict(),
+                **base,
+                "world_size": distributed.world_size(),
+            },
+        )
     counts = {"reused": 0, "run": 0}
     for task in tasks:
         for seed in settings.seeds:
             pipeline = Pipeline(
                 model,
-                DataConfig(task.name, data_dir=data_dir, n_train=settings.n_train,
-                           n_heldout=settings.n_heldout, n_test=settings.n_test),
-                replace(configs.loca, seed=seed), progress=False, model_object=model_obj,
+                DataConfig(
+                    task.name,
+                    data_dir=data_dir,
+                    n_train=settings.n_train,
+                    n_heldout=settings.n_heldout,
+                    n_test=settings.n_test,
+                ),
+                replace(configs.loca, seed=seed),
+                progress=False,
+                model_object=model_obj,
                 tokenizer=tokenizer,
-            )  # fmt: skip
+            )
             splits = pipeline.splits  # degenerate data is warned about here
             cell_base = {
-                **base, "task": task.describe(), "seed": seed, "splits_sha256": digest(splits.record)
+                **base,
+                "task": task.describe(),
+                "seed": seed,
+                "splits_sha256": digest(splits.record),
             }
             data: CellData | None = None
             frozen_ce: float | None = None
@@ -189,8 +220,10 @@ def run_compare(
                     if main:
                         store.save(task.name, seed, method, key, cell)
                     counts["run"] += 1
-                    log(f"{task.name} seed {seed} {method}: test CE {cell['test']['test_ce']:.4f}, "
-                        f"acc {cell['test']['acc']:.3f}, {cell['wall_time_s']:.0f} s")  # fmt: skip
+                    log(
+                        f"{task.name} seed {seed} {method}: test CE {cell['test']['test_ce']:.4f}, "
+                        f"acc {cell['test']['acc']:.3f}, {cell['wall_time_s']:.0f} s"
+                    )
                 else:
                     counts["reused"] += 1
                     log(f"{task.name} seed {seed} {method}: reused")
@@ -218,8 +251,9 @@ def _close(a: float, b: float) -> bool:
     return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
 
 
-def _method_config(method: str, configs: MethodConfigs, s: CompareSettings, seed: int,
-                   loca_wall: float | None) -> dict:  # fmt: skip
+def _method_config(
+    method: str, configs: MethodConfigs, s: CompareSettings, seed: int, loca_wall: float | None
+) -> dict:
     """The resolved configuration of one method in one cell (part of its key)."""
     return get_method(method).config(Context(configs, s, seed, loca_wall))
 
@@ -229,11 +263,19 @@ def _prepare(pipeline: Pipeline, s: CompareSettings) -> CellData:
     train_items, heldout_items = pipeline.encoded()
     train, heldout = pipeline.batched()
     return CellData(
-        parts=pipeline.parts, tokenizer=pipeline.tokenizer, task=pipeline.task, splits=pipeline.splits,
-        train_items=train_items, heldout_items=heldout_items, train=train, heldout=heldout,
-        minibatches=make_batches(train_items, pipeline.pad_id, s.train_batch_size), pad_id=pipeline.pad_id,
-        seed=pipeline.cfg.seed, pipeline=pipeline,
-    )  # fmt: skip
+        parts=pipeline.parts,
+        tokenizer=pipeline.tokenizer,
+        task=pipeline.task,
+        splits=pipeline.splits,
+        train_items=train_items,
+        heldout_items=heldout_items,
+        train=train,
+        heldout=heldout,
+        minibatches=make_batches(train_items, pipeline.pad_id, s.train_batch_size),
+        pad_id=pipeline.pad_id,
+        seed=pipeline.cfg.seed,
+        pipeline=pipeline,
+    )
 
 
 def _run_cell(data: CellData, method: str, mcfg: dict) -> dict:

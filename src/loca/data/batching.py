@@ -101,8 +101,13 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         move = lambda t: t if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(
-            move(self.input_ids), move(self.attention_mask), move(self.pos_b), move(self.pos_t),
-            move(self.targets), move(self.is_eos), self.items,
+            move(self.input_ids),
+            move(self.attention_mask),
+            move(self.pos_b),
+            move(self.pos_t),
+            move(self.targets),
+            move(self.is_eos),
+            self.items,
         )
 
 
@@ -137,8 +142,13 @@ def collate(items: Sequence[Encoded], pad_id: int) -> Batch:
             targets.append(it.completion[j])
             is_eos.append(it.has_eos and j == n_c - 1)
     return Batch(
-        ids, mask, torch.tensor(pos_b), torch.tensor(pos_t), torch.tensor(targets),
-        torch.tensor(is_eos, dtype=torch.bool), list(items),
+        ids,
+        mask,
+        torch.tensor(pos_b),
+        torch.tensor(pos_t),
+        torch.tensor(targets),
+        torch.tensor(is_eos, dtype=torch.bool),
+        list(items),
     )
 
 

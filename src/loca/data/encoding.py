@@ -40,14 +40,15 @@ def encode_examples(
 
     ``source`` is the example's index in ``examples`` and ``choice`` its label.
     """
-    return [
-        _encode(tokenizer, task, ex, ex.label, max_length, add_eos, i)
-        for i, ex in enumerate(examples)
-    ]
+    return [_encode(tokenizer, task, ex, ex.label, max_length, add_eos, i) for i, ex in enumerate(examples)]
 
 
 def encode_choices(
-    tokenizer, task: Task, examples: Sequence[Example], max_length: int, *,
+    tokenizer,
+    task: Task,
+    examples: Sequence[Example],
+    max_length: int,
+    *,
     eos_on_gold: bool = False,
 ) -> list[Encoded]:
     """One sequence per (example, choice), without EOS, for ranking accuracy.
@@ -69,9 +70,7 @@ def encode_choices(
     return out
 
 
-def count_truncated(
-    tokenizer, task: Task, examples: Sequence[Example], encoded: Sequence[Encoded]
-) -> int:
+def count_truncated(tokenizer, task: Task, examples: Sequence[Example], encoded: Sequence[Encoded]) -> int:
     """How many of ``encoded`` (one per example, as from :func:`encode_examples`) lost prompt
     tokens to truncation."""
     prompts = [task.prompt(ex) for ex in examples]

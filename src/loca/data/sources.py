@@ -63,8 +63,7 @@ def parse_item(obj, default_id: str) -> Example:
     unknown = sorted(set(obj) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
     if unknown:
         raise ValueError(
-            f"unknown field(s) {', '.join(unknown)}; allowed: "
-            f"{', '.join(REQUIRED_KEYS + OPTIONAL_KEYS)}"
+            f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(REQUIRED_KEYS + OPTIONAL_KEYS)}"
         )
     question, choices, label = obj["question"], obj["choices"], obj["label"]
     passage, ex_id = obj.get("passage"), obj.get("id", default_id)
@@ -89,9 +88,7 @@ def parse_item(obj, default_id: str) -> Example:
         raise ValueError(f"field 'label' must be an integer, got {_type_name(label)}")
     if not 0 <= label < len(choices):
         raise ValueError(f"label {label} out of range for {len(choices)} choices")
-    return Example(
-        question=question, choices=tuple(choices), label=label, passage=passage, id=ex_id
-    )
+    return Example(question=question, choices=tuple(choices), label=label, passage=passage, id=ex_id)
 
 
 def load_local(path: str | Path) -> list[Example]:
@@ -129,9 +126,7 @@ def load_local(path: str | Path) -> list[Example]:
     return examples
 
 
-def hub_row_to_example(
-    task: Task | str, row: Mapping, split: str = "validation", index: int = 0
-) -> Example:
+def hub_row_to_example(task: Task | str, row: Mapping, split: str = "validation", index: int = 0) -> Example:
     """Map one hub row of a task (a registry name, or a task with a hub source) to loca's schema.
 
     ``split`` is the *local* split name and ``index`` the row's position in its split; both only
@@ -287,9 +282,7 @@ def load_hub_split(task: Task, split: str, looked_at: str = "") -> list[Example]
         try:
             out.append(hub_row_to_example(task, row, split=split, index=i))
         except (KeyError, TypeError, ValueError) as exc:
-            raise DataError(
-                f"row {i}: {type(exc).__name__}: {exc}", f"hub:{task.hub}/{hub_split}"
-            ) from None
+            raise DataError(f"row {i}: {type(exc).__name__}: {exc}", f"hub:{task.hub}/{hub_split}") from None
     if not out:
         raise DataError("no examples", f"hub:{task.hub}/{hub_split}")
     return out

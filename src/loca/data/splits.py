@@ -122,8 +122,10 @@ def degenerate_warnings(splits: Splits) -> list[str]:
     seen = {(ex.question, ex.passage) for ex in splits.train + splits.heldout}
     overlap = sum((ex.question, ex.passage) in seen for ex in splits.test)
     if overlap:
-        out.append(f"{overlap} test example(s) have the same question and passage as a training or "
-                   "held-out example: test numbers overstate generalisation")  # fmt: skip
+        out.append(
+            f"{overlap} test example(s) have the same question and passage as a training or "
+            "held-out example: test numbers overstate generalisation"
+        )
     return out
 
 
@@ -225,9 +227,7 @@ def _pool_positions(pools: _Pools, seed: int, n_heldout: int) -> tuple[list[int]
     return rest, heldout
 
 
-def _select_test(
-    task: Task, pools: _Pools, n_test: int | None, seed: int
-) -> tuple[list[int], dict]:
+def _select_test(task: Task, pools: _Pools, n_test: int | None, seed: int) -> tuple[list[int], dict]:
     _check_size("n_test", n_test, allow_none=True)
     available = len(pools.test)
     if not available:
@@ -319,9 +319,7 @@ def load_splits(
             if pools.partition
             else f"the train pool ({size} examples in split {pools.pool_split!r})"
         )
-        raise ValueError(
-            f"task {task.name!r}: n_train + n_heldout = {n_train} + {n_heldout} exceeds {where}"
-        )
+        raise ValueError(f"task {task.name!r}: n_train + n_heldout = {n_train} + {n_heldout} exceeds {where}")
     candidates, heldout_pos = _pool_positions(pools, seed, n_heldout)
     if n_train > len(candidates):
         raise ValueError(

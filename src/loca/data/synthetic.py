@@ -15,8 +15,10 @@ def synthetic_items(
     given), the rest the prompt — one or two predict positions per sequence, as in SST-2."""
     answer = 2 if eos_id is not None else 1
     if n < 1 or length < answer + 1 or vocab < 2:
-        raise ValueError(f"synthetic sequences need n ≥ 1, length ≥ {answer + 1} and a vocabulary "
-                         f"(got n={n}, length={length}, vocab={vocab})")  # fmt: skip
+        raise ValueError(
+            f"synthetic sequences need n ≥ 1, length ≥ {answer + 1} and a vocabulary "
+            f"(got n={n}, length={length}, vocab={vocab})"
+        )
     ids = torch.randint(vocab, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
     items = []
     for i, row in enumerate(ids):

@@ -43,8 +43,7 @@ def template_fields(template: str) -> list[str]:
             continue
         if spec or conv:
             raise TemplateError(
-                f"template {template!r}: placeholder {{{name}}} may not carry a format spec or "
-                "conversion"
+                f"template {template!r}: placeholder {{{name}}} may not carry a format spec or conversion"
             )
         names.append(name)
     return names
@@ -190,8 +189,7 @@ class Task:
         if self.uses_passage:
             if ex.passage is None:
                 raise ValueError(
-                    f"task {self.name!r}: the template uses {{passage}} but example {ex.id!r} has "
-                    "no passage"
+                    f"task {self.name!r}: the template uses {{passage}} but example {ex.id!r} has no passage"
                 )
             fields["passage"] = ex.passage.strip()
         return self.template.format(**fields)
@@ -200,9 +198,7 @@ class Task:
         """``" " + choices[choice]`` (the gold choice when ``choice`` is None), stripped."""
         idx = ex.label if choice is None else choice
         if not 0 <= idx < len(ex.choices):
-            raise IndexError(
-                f"choice {idx} out of range for example {ex.id!r} ({len(ex.choices)} choices)"
-            )
+            raise IndexError(f"choice {idx} out of range for example {ex.id!r} ({len(ex.choices)} choices)")
         return " " + ex.choices[idx].strip()
 
     def with_template(self, template: str) -> Task:
@@ -414,8 +410,7 @@ def user_task(path: str | Path, template: str, name: str | None = None) -> Task:
         raise FileNotFoundError(f"user task data {str(p)!r} not found")
     if template is None:
         raise TemplateError(
-            f"a user task ({p}) needs a template, "
-            "e.g. --template 'Question: {question}\\nAnswer:'"
+            f"a user task ({p}) needs a template, e.g. --template 'Question: {{question}}\\nAnswer:'"
         )
     check_template(template)
     if p.is_dir():

@@ -84,8 +84,9 @@ def score_choices(
     out: dict[tuple[int, int], tuple[float, int]] = {}
     ce = TokenCE()
     mine = distributed.shard(batches)
-    shown = tqdm(mine, desc="evaluate", unit="batch", leave=False,
-                 disable=not progress or not distributed.is_main())  # fmt: skip
+    shown = tqdm(
+        mine, desc="evaluate", unit="batch", leave=False, disable=not progress or not distributed.is_main()
+    )
     for batch in shown:
         loss = position_losses(parts, batch).double().cpu()
         keep = (~batch.is_eos).double()

@@ -18,12 +18,21 @@ from ..infra.plotting import panel_grid, plt
 
 FILES = ("report.md", "report.json", "heldout_ce.png", "alignment.png")
 COLUMNS = {  # row key -> table heading
-    "run": "run", "task": "task", "model": "model", "step_control": "step", "eta": "best η",
-    "lam_rel": "λ_rel", "best_iteration": "best it.", "heldout_ce": "held-out CE frozen → LoCA",
-    "test_ce": "test CE frozen → LoCA", "test_acc": "test acc frozen → LoCA", "delta_test_ce": "Δ test CE",
-    "delta_test_acc": "Δ acc", "alignment": "alignment probe / held-out / random",
+    "run": "run",
+    "task": "task",
+    "model": "model",
+    "step_control": "step",
+    "eta": "best η",
+    "lam_rel": "λ_rel",
+    "best_iteration": "best it.",
+    "heldout_ce": "held-out CE frozen → LoCA",
+    "test_ce": "test CE frozen → LoCA",
+    "test_acc": "test acc frozen → LoCA",
+    "delta_test_ce": "Δ test CE",
+    "delta_test_acc": "Δ acc",
+    "alignment": "alignment probe / held-out / random",
     "fit_wall_time_s": "fit time (s)",
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -214,8 +223,13 @@ def _cell(row: dict, key: str) -> str:
         return f"{_fmt(row[f'frozen_{key}'], '.4f')} → {_fmt(row[f'loca_{key}'], '.4f')}"
     if key == "alignment":
         return " / ".join(_fmt(row[f"alignment_{k}"], "+.2f") for k in ("probe", "heldout", "random"))
-    spec = {"eta": ".3g", "lam_rel": ".3g", "delta_test_ce": "+.4f", "delta_test_acc": "+.4f",
-            "fit_wall_time_s": ".1f"}.get(key, "")  # fmt: skip
+    spec = {
+        "eta": ".3g",
+        "lam_rel": ".3g",
+        "delta_test_ce": "+.4f",
+        "delta_test_acc": "+.4f",
+        "fit_wall_time_s": ".1f",
+    }.get(key, "")
     return _fmt(row[key], spec).replace("|", "\\|")
 
 
@@ -242,19 +256,42 @@ def _heldout_panel(ax, run: Run) -> None:
         color = f"C{i % 10}"
         points = _points(t)
         if t.accepted is None:
-            ax.plot([0, *(p[0] for p in points)], [frozen, *(p[1] for p in points)], color=color, lw=1.2,
-                    marker=".", label=t.label(with_lam))  # fmt: skip
+            ax.plot(
+                [0, *(p[0] for p in points)],
+                [frozen, *(p[1] for p in points)],
+                color=color,
+                lw=1.2,
+                marker=".",
+                label=t.label(with_lam),
+            )
             continue
         for accepted in (True, False):
             sel = [(it, ce) for it, ce, a in points if a is accepted]
             if sel:
-                ax.scatter(*zip(*sel, strict=True), s=18, edgecolors=color, linewidths=1,
-                           facecolors=color if accepted else "none")  # fmt: skip
-        ax.plot([0, *t.iterations], [frozen, *running_best(t, frozen)], color=color, lw=1.2,
-                drawstyle="steps-post", label=f"{t.label(with_lam)}: best (hollow: rejected)")  # fmt: skip
+                ax.scatter(
+                    *zip(*sel, strict=True),
+                    s=18,
+                    edgecolors=color,
+                    linewidths=1,
+                    facecolors=color if accepted else "none",
+                )
+        ax.plot(
+            [0, *t.iterations],
+            [frozen, *running_best(t, frozen)],
+            color=color,
+            lw=1.2,
+            drawstyle="steps-post",
+            label=f"{t.label(with_lam)}: best (hollow: rejected)",
+        )
     best_it = run.results["best_iteration"]  # the frozen model's CE when nothing beat it (it. 0)
-    ax.plot([best_it], [run.results["loca"]["heldout_ce"]], "k*", ms=11, zorder=5,
-            label=f"selected (it. {best_it})")  # fmt: skip
+    ax.plot(
+        [best_it],
+        [run.results["loca"]["heldout_ce"]],
+        "k*",
+        ms=11,
+        zorder=5,
+        label=f"selected (it. {best_it})",
+    )
     handles, labels = ax.get_legend_handles_labels()
     its, medians = alignment_medians(run.history)
     if its:
@@ -280,8 +317,15 @@ def _alignment_panel(ax, run: Run) -> None:
     for key, (color, ls) in styles.items():
         values = run.alignment.get(key) or []
         if values:
-            ax.plot(range(len(values)), values, color=color, ls=ls, marker=".", lw=1.2,
-                    label={"heldout": "held-out", "random": "random map"}.get(key, key))  # fmt: skip
+            ax.plot(
+                range(len(values)),
+                values,
+                color=color,
+                ls=ls,
+                marker=".",
+                lw=1.2,
+                label={"heldout": "held-out", "random": "random map"}.get(key, key),
+            )
     if not any(run.alignment.get(k) for k in styles):
         ax.text(0.5, 0.5, "no alignment recorded", ha="center", va="center", transform=ax.transAxes)
     else:
@@ -327,9 +371,11 @@ def write_report(out: str | Path, runs: list[Run]) -> str:
     table = markdown_table(rows)
     write_plots(out, runs)
     folders = "\n".join(f"- `{row['run']}`: `{row['path']}`" for row in rows)
-    md = (f"# LoCA fit runs\n\n{table}\n\nAlignment: median over blocks of the fitted maps on the probe "
-          "and the held-out probe, and of a random map.\n\nRun folders:\n\n"
-          f"{folders}\n\n![held-out CE](heldout_ce.png)\n\n![alignment](alignment.png)\n")  # fmt: skip
+    md = (
+        f"# LoCA fit runs\n\n{table}\n\nAlignment: median over blocks of the fitted maps on the probe "
+        "and the held-out probe, and of a random map.\n\nRun folders:\n\n"
+        f"{folders}\n\n![held-out CE](heldout_ce.png)\n\n![alignment](alignment.png)\n"
+    )
     atomic_write_text(out / "report.md", md)
     atomic_write_json(out / "report.json", {"command": "report", "rows": rows})
     return table

@@ -92,9 +92,7 @@ def ensure_replaceable(directory: Path, config_file: str | tuple[str, ...], fmt:
 
 
 @contextmanager
-def atomic_dir(
-    directory: str | Path, config_file: str | tuple[str, ...], fmt: str | None
-) -> Iterator[Path]:
+def atomic_dir(directory: str | Path, config_file: str | tuple[str, ...], fmt: str | None) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces ``directory`` in one rename.
 
     An existing ``directory`` is replaced only if it is empty or is an artefact of the same kind

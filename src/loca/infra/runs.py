@@ -56,9 +56,14 @@ def refuse_model_folder(out: Path, model: str | Path | None) -> None:
 
 
 def prepare_run_dir(
-    out: str | Path, command: str, *, model: str | Path | None = None, overwrite: bool = False,
-    resumable: bool = False, writes: tuple[str, ...] = (),
-) -> Path:  # fmt: skip
+    out: str | Path,
+    command: str,
+    *,
+    model: str | Path | None = None,
+    overwrite: bool = False,
+    resumable: bool = False,
+    writes: tuple[str, ...] = (),
+) -> Path:
     """Check that ``out`` may receive ``command``'s files, then create and mark it.
 
     Raises :class:`RunFolderError` (before any work is done) when ``out`` is or lies inside the
@@ -108,8 +113,11 @@ def prepare_run_dir(
 def require_finite(metrics: dict, what: str) -> None:
     """Raise ValueError naming the metrics of ``what`` that are NaN or infinite (a standard error
     is undefined, not wrong, for a single example: see :func:`undefined_as_none`)."""
-    bad = [k for k, v in metrics.items()
-           if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_stderr")]  # fmt: skip
+    bad = [
+        k
+        for k, v in metrics.items()
+        if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_stderr")
+    ]
     if bad:
         raise ValueError(
             f"{what} produced non-finite {', '.join(bad)}: the model or adapters give NaN/Inf "
@@ -119,5 +127,7 @@ def require_finite(metrics: dict, what: str) -> None:
 
 def undefined_as_none(metrics: dict) -> dict:
     """``metrics`` with undefined (non-finite) standard errors as None, for strict JSON."""
-    return {k: None if k.endswith("_stderr") and isinstance(v, float) and not math.isfinite(v) else v
-            for k, v in metrics.items()}  # fmt: skip
+    return {
+        k: None if k.endswith("_stderr") and isinstance(v, float) and not math.isfinite(v) else v
+        for k, v in metrics.items()
+    }

@@ -14,17 +14,41 @@ from pathlib import Path
 
 from .zoo import ensure_alias, loca_home
 
-QWEN = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
-            rope_theta=1e6, max_position_embeddings=32768, attention_dropout=0.0, use_sliding_window=False)
-LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
-             max_position_embeddings=8192, attention_bias=False, mlp_bias=False)
+QWEN = dict(
+    model_type="qwen2",
+    architectures=["Qwen2ForCausalLM"],
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+    attention_dropout=0.0,
+    use_sliding_window=False,
+)
+LLAMA = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    attention_bias=False,
+    mlp_bias=False,
+)
 
 
-def shape(base: dict, d: int, ff: int, layers: int, heads: int, kv: int, vocab: int, tied: bool,
-          **kw) -> dict:  # fmt: skip
-    return dict(base, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                tie_word_embeddings=tied, **kw)  # fmt: skip
+def shape(
+    base: dict, d: int, ff: int, layers: int, heads: int, kv: int, vocab: int, tied: bool, **kw
+) -> dict:
+    return dict(
+        base,
+        hidden_size=d,
+        intermediate_size=ff,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        **kw,
+    )
 
 
 # published shapes (the models' config.json files)
@@ -45,8 +69,15 @@ def write_arch_folder(name: str, out: Path, tokenizer_from: Path | None = None) 
     """``out`` with ``config.json`` of architecture ``name`` and a tokenizer (default: SmolLM2's)."""
     source = tokenizer_from or ensure_alias("smollm2-135m-instruct")
     out.mkdir(parents=True, exist_ok=True)
-    config = {**ARCHS[name], "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-              "torch_dtype": "bfloat16", "loca_arch_preset": name, "tokenizer": str(source)}  # fmt: skip
+    config = {
+        **ARCHS[name],
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "torch_dtype": "bfloat16",
+        "loca_arch_preset": name,
+        "tokenizer": str(source),
+    }
     for f in TOKENIZER_FILES:
         if (Path(source) / f).is_file():
             shutil.copy(Path(source) / f, out / f)
@@ -63,4 +94,3 @@ def arch_folder(model: str) -> Path:
     if not (out / "config.json").is_file():
         write_arch_folder(name, out)
     return out
-

