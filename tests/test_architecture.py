@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # room -> the rooms it may import (besides itself); the order of docs/architecture.md
