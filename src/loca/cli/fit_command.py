@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the results of an earlier `loca fit` run in --out, or add this run's "
-        "files to a non-empty folder (nothing else there is deleted)",
+        help="replace the results of an earlier `loca fit` run in --out (only once this run has "
+        "finished: if it fails, the earlier run stays), or add this run's files to a non-empty "
+        "folder (nothing else there is deleted)",
     )
     g.add_argument(
         "--resume",
