@@ -210,18 +210,25 @@ def test_a_flat_config_file_sets_every_section(tmp_path):
     assert (model.model, data.n_train, cfg.rank) == ("m", 24, 8)
 
 
-def test_flat_settings_are_unambiguous_and_records_are_read_whole():
-    """No field name is in two sections (so a flat file means one thing), and a run's record
-    keeps its non-section keys out of the settings."""
-    from loca.config import RECORD_KEYS, SECTION_CLASSES, section_of, sections_from_dict
+def test_flat_settings_are_unambiguous_and_records_are_read_for_their_sections():
+    """No field name is in two sections (so a flat file means one thing); a record that loca
+    wrote (it names its ``command``) is read for its sections, its other keys skipped."""
+    from loca.config import SECTION_CLASSES, section_of, sections_from_dict
 
     names = [f.name for cls in SECTION_CLASSES.values() for f in fields(cls)]
     assert len(names) == len(set(names))
     assert section_of("rank") == "loca" and section_of("n_test") == "data" and section_of("dtype") == "model"
-    record = {k: "x" for k in RECORD_KEYS} | {"command": "fit", "model": {"model": "m"}, "loca": {"rank": 4}}
+    record = {
+        "command": "fit",
+        "model": {"model": "m"},
+        "loca": {"rank": 4},
+        "splits": {"seed": 0},
+        "data_fingerprint": "ab",
+        "device": "cpu",
+    }
     assert sections_from_dict(record) == {"model": {"model": "m"}, "loca": {"rank": 4}}
-    old = {"command": "fit", "model": "m", "dtype": "bfloat16", "loca": {"rank": 4}}  # before sections
-    assert sections_from_dict(old)["model"] == {"model": "m", "dtype": "bfloat16"}
+    compare = {"command": "compare", "model": "m", "dtype": "bfloat16", "loca": {"rank": 4}, "data_dir": "d"}
+    assert sections_from_dict(compare) == {"model": {"model": "m", "dtype": "bfloat16"}, "loca": {"rank": 4}}
 
 
 def test_trust_remote_code_comes_from_the_command_line_only(tmp_path):

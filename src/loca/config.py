@@ -384,13 +384,6 @@ class DataConfig(Settings):
 
 
 SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "loca": LocaConfig}
-# The keys a run's ``config.json`` holds besides its sections (:meth:`loca.pipeline.Pipeline.record`;
-# ``dtype`` beside a ``model`` name string is a config.json written before sections). A record (a
-# file with ``command``) may hold them; a configuration file written by hand may not. A new key
-# that ``Pipeline.record`` writes goes here too.
-RECORD_KEYS = frozenset(
-    {"command", "maps", "task", "splits", "device", "fingerprint", "versions", "data_fingerprint", "dtype"}
-)
 
 
 def section_of(name: str) -> str | None:
@@ -402,10 +395,12 @@ def sections_from_dict(obj: dict) -> dict:
     """The sections a JSON/YAML object holds, as dicts of fields whose values are converted as
     their flags would be (:func:`value_from_file`). Two layouts:
 
-    - sectioned: ``{"model": {...}, "data": {...}, "loca": {...}}`` (any of the three), as a
-      run's ``config.json`` records them (its other keys, :data:`RECORD_KEYS`, are allowed in a
-      file that names its ``command``; ``"model"`` a name string with ``"dtype"`` beside it is an
-      older run's config);
+    - sectioned: ``{"model": {...}, "data": {...}, "loca": {...}}`` (any of the three). A record
+      that loca wrote (a file naming its ``command``: a run's or a comparison's ``config.json``)
+      holds other keys beside its sections (the split record, fingerprints, versions, a
+      comparison's own settings), which are skipped; ``"model"`` a name string with ``"dtype"``
+      beside it is an older record's model section. In a file without ``command`` any other
+      top-level key is refused;
     - flat: every setting at the top level (``{"model": "m", "n_train": 24, "rank": 8}``), each
       going to the section that has a field of that name.
 
@@ -423,7 +418,7 @@ def sections_from_dict(obj: dict) -> dict:
                 if not isinstance(values, dict):
                     raise ValueError(f"section {key!r} must be an object of settings, not {values!r}")
                 raw[key] = values
-            elif record and key in RECORD_KEYS:
+            elif record:  # what loca recorded beside the sections: not settings
                 continue
             elif section_of(key):
                 raise ValueError(
