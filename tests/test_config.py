@@ -89,7 +89,10 @@ def test_config_file_then_flags(tmp_path):
     cfg = config_from_args(p.parse_args(["--preset", "paper", "--config", str(tmp_path / "bare.json")]))
     assert cfg == LocaConfig.preset("paper", feedback_rank=4)  # the file over the preset
     (tmp_path / "bad.json").write_text(json.dumps({"learning_rate": 1}))
-    with pytest.raises(ValueError, match="unknown LoCA setting"):
+    with pytest.raises(ValueError, match="bad.json: unknown setting 'learning_rate'"):
+        config_from_args(p.parse_args(["--config", str(tmp_path / "bad.json")]))
+    (tmp_path / "bad.json").write_text(json.dumps({"loca": {"learning_rate": 1}}))
+    with pytest.raises(ValueError, match="bad.json: unknown LoCA setting"):
         config_from_args(p.parse_args(["--config", str(tmp_path / "bad.json")]))
 
 
@@ -114,6 +117,135 @@ def test_a_yaml_config_holds_every_section(tmp_path):
     (tmp_path / "bad.yaml").write_text("data:\n  n_epochs: 3\n")
     with pytest.raises(ValueError, match="unknown data setting"):
         sections_from_args(p.parse_args(["--config", str(tmp_path / "bad.yaml")]))
+
+
+# -- config files are checked like flags ------------------------------------------------------------
+
+
+def _full_parser() -> argparse.ArgumentParser:
+    from loca.cli.args import add_data_args, add_model_args
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_data_args(p, n_train=128)
+    add_config_args(p)
+    return p
+
+
+def _sections(tmp_path, text: str, *flags: str, name: str = "c.yaml"):
+    from loca.cli.args import sections_from_args
+
+    (tmp_path / name).write_text(text)
+    return sections_from_args(_full_parser().parse_args(["--config", str(tmp_path / name), *flags]))
+
+
+@pytest.mark.parametrize(
+    "text, field, want",
+    [
+        ('loca: {add_eos: "false"}', "add_eos", False),
+        ('loca: {add_eos: "True"}', "add_eos", True),
+        ('loca: {rank: "4"}', "rank", 4),
+        ("loca: {beta_rel: 1e-3}", "beta_rel", 1e-3),  # YAML 1.1 reads 1e-3 as a string
+        ("loca: {beta_rel: 2}", "beta_rel", 2.0),
+        ('loca: {etas: "0.01"}', "etas", [0.01]),
+        ('loca: {etas: "0.01, 0.03"}', "etas", [0.01, 0.03]),
+        ("loca: {lam_rel: 0.001}", "lam_rel", [0.001]),
+        ("loca: {etas: [1, 2]}", "etas", [1.0, 2.0]),
+    ],
+)
+def test_config_file_values_are_converted_as_their_flags_would_be(tmp_path, text, field, want):
+    cfg = _sections(tmp_path, text)[2]
+    got = getattr(cfg, field)
+    assert got == want and type(got) is type(want)
+    if isinstance(got, list):
+        assert all(type(x) is float for x in got)
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("loca: {add_eos: maybe}", "loca.add_eos must be true or false, not 'maybe'"),
+        ("loca: {add_eos: 1}", "loca.add_eos must be true or false"),
+        ("loca: {rank: true}", "loca.rank must be an integer, not True"),
+        ("loca: {rank: 4.5}", "loca.rank must be an integer, not 4.5"),
+        ('loca: {rank: "four"}', "loca.rank must be an integer, not 'four'"),
+        ("loca: {beta_rel: false}", "loca.beta_rel must be a number"),
+        ("loca: {etas: [0.01, x]}", "loca.etas must be a number, not 'x'"),
+        ("loca: {rank: null}", "loca.rank must be set"),
+        ("data: {template: 5}", "data.template must be a string"),
+        ("data: {n_train: 2.5}", "data.n_train must be an integer"),
+        ("model: {model: m, random_init: 'no'}", "model.random_init must be true or false"),
+        ("dat: {n_train: 3}\nloca: {rank: 4}", "unknown section 'dat'"),
+        ("loca: {rank: 4}\nn_train: 3", "'n_train' is a data setting outside its section"),
+        ("loca: {rank: 4}\nsplits: x", "unknown section 'splits'"),  # only a run's record has it
+        ("rank: 4\nn_trian: 3", "unknown setting 'n_trian'"),
+        ("loca: 3", "section 'loca' must be an object"),
+        ("- rank", "expected a JSON/YAML object"),
+    ],
+)
+def test_config_file_values_of_the_wrong_type_or_place_are_refused_naming_file_and_key(
+    tmp_path, text, needle
+):
+    with pytest.raises(ValueError) as exc:
+        _sections(tmp_path, text)
+    assert str(exc.value).startswith(f"--config {tmp_path / 'c.yaml'}: ") and needle in str(exc.value)
+
+
+def test_a_flat_config_file_sets_every_section(tmp_path):
+    """Flat layout: every setting at the top level goes to its section (a top-level ``model``
+    used to swallow the rest); flags given still win."""
+    model, data, cfg = _sections(
+        tmp_path, "model: some/model\ndtype: bfloat16\nrank: 8\nn_train: 24\netas: 0.02\n", "--n-train", "7"
+    )
+    assert (model.model, model.dtype, data.n_train, cfg.rank, cfg.etas) == (
+        "some/model",
+        "bfloat16",
+        7,
+        8,
+        [0.02],
+    )
+    model, data, cfg = _sections(
+        tmp_path, json.dumps({"model": "m", "rank": 8, "n_train": 24}), name="c.json"
+    )
+    assert (model.model, data.n_train, cfg.rank) == ("m", 24, 8)
+
+
+def test_flat_settings_are_unambiguous_and_records_are_read_for_their_sections():
+    """No field name is in two sections (so a flat file means one thing); a record that loca
+    wrote (it names its ``command``) is read for its sections, its other keys skipped."""
+    from loca.config import SECTION_CLASSES, section_of, sections_from_dict
+
+    names = [f.name for cls in SECTION_CLASSES.values() for f in fields(cls)]
+    assert len(names) == len(set(names))
+    assert section_of("rank") == "loca" and section_of("n_test") == "data" and section_of("dtype") == "model"
+    record = {
+        "command": "fit",
+        "model": {"model": "m"},
+        "loca": {"rank": 4},
+        "splits": {"seed": 0},
+        "data_fingerprint": "ab",
+        "device": "cpu",
+    }
+    assert sections_from_dict(record) == {"model": {"model": "m"}, "loca": {"rank": 4}}
+    compare = {"command": "compare", "model": "m", "dtype": "bfloat16", "loca": {"rank": 4}, "data_dir": "d"}
+    assert sections_from_dict(compare) == {"model": {"model": "m", "dtype": "bfloat16"}, "loca": {"rank": 4}}
+
+
+def test_trust_remote_code_comes_from_the_command_line_only(tmp_path):
+    """A config file that asks for trust_remote_code is refused unless the flag is given, which then
+    decides; a file's ``false`` changes nothing."""
+    text = json.dumps({"model": {"model": "m", "trust_remote_code": True}})
+    with pytest.raises(
+        ValueError, match="trust_remote_code is not taken from a config file.*--trust-remote-code"
+    ):
+        _sections(tmp_path, text, name="c.json")
+    assert _sections(tmp_path, text, "--trust-remote-code", name="c.json")[0].trust_remote_code is True
+    assert _sections(tmp_path, text, "--no-trust-remote-code", name="c.json")[0].trust_remote_code is False
+    flat = json.dumps({"model": "m", "trust_remote_code": True})
+    with pytest.raises(ValueError, match="pass --trust-remote-code"):
+        _sections(tmp_path, flat, name="c.json")
+    off = json.dumps({"model": {"model": "m", "trust_remote_code": False}})
+    assert _sections(tmp_path, off, name="c.json")[0].trust_remote_code is False
 
 
 # -- frozen sections, one definition of the allowed values, one precedence ----------------------

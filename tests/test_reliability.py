@@ -3,6 +3,7 @@ non-finite metrics and one-line errors."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -633,3 +634,351 @@ def test_a_failed_evaluation_leaves_the_model_without_adapters(tmp_path, monkeyp
     assert getattr(pipe.model, "_loca_adapters", None) is None
     assert (tmp_path / "run" / "adapter" / "loca_adapter.json").is_file()
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+# -- issue 22: foreign code through config files and run folders, limits, checkpoints, overwrite --
+
+
+def loca_process(*argv: str, timeout: int = 300):
+    """``python -m loca ARGV`` in a real subprocess (offline, this checkout's loca)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import loca
+
+    src = str(Path(loca.__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "loca", *argv], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line]
+
+
+def remote_code_model(root, folder):
+    """A copy of the tiny model whose config points at its own code (``evil.py``), which would
+    create the returned sentinel file if it ever ran."""
+    folder.mkdir()
+    for f in (root / "model").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    sentinel = folder.parent / f"{folder.name}-ran"
+    code = (
+        f"open({str(sentinel)!r}, 'w').write('x')\n"
+        "from transformers import PretrainedConfig\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+    )
+    (folder / "evil.py").write_text(code)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="evil", auto_map={"AutoConfig": "evil.EvilConfig"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return sentinel
+
+
+SMALL = ["--n-train", "8", "--n-heldout", "4", "--n-test", "4", "--quiet"]
+
+
+@pytest.mark.integration
+def test_trust_remote_code_is_never_taken_from_a_config_file_or_a_run_folder(setup, tmp_path):
+    """`loca fit --config FILE` whose model section asks for trust_remote_code, and `loca fit
+    --resume` on a run folder whose config.json does: refused in one line naming the flag; the
+    model's code never runs (real processes)."""
+    from loca import Pipeline
+
+    root, common = setup
+    folder = tmp_path / "remote"
+    sentinel = remote_code_model(root, folder)
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"model": {"model": str(folder), "trust_remote_code": True}}))
+    task = common[common.index("--task") : common.index("--device")]
+    done = loca_process(
+        "fit", "--config", str(config), *task, "--device", "cpu", *SMALL, "--out", str(tmp_path / "a")
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = error_lines(done.stderr)
+    assert str(config) in line and "pass --trust-remote-code" in line
+    # someone else's run folder: an unfinished fit whose config.json asks for the model's code
+    run = tmp_path / "theirs"
+    run.mkdir()
+    (run / MARKER).write_text(json.dumps({"command": "fit"}))
+    record = {
+        "command": "fit",
+        "model": {"model": str(folder), "trust_remote_code": True},
+        "loca": {"rank": 4},
+    }
+    (run / "config.json").write_text(json.dumps(record))
+    done = loca_process("fit", "--resume", "--out", str(run), "--quiet")
+    assert done.returncode == 2, done.stderr
+    [line] = error_lines(done.stderr)
+    assert str(run / "config.json") in line and "pass --trust-remote-code" in line
+    assert not sentinel.exists()
+    # the flag given again allows it (the API's argument likewise); nothing is loaded here
+    assert Pipeline.from_run(run, trust_remote_code=True).model_config.trust_remote_code is True
+
+
+@pytest.mark.integration
+def test_a_rank_above_the_hidden_size_is_refused_before_any_work(setup, tmp_path):
+    root, common = setup
+    argv = [*common[: common.index("--rank")], "--rank", "1000", "--feedback-rank", "4"]
+    done = loca_process("fit", *argv, *SMALL, "--out", str(tmp_path / "run"))
+    assert done.returncode == 2, done.stderr
+    [line] = error_lines(done.stderr)
+    assert "--rank 1000" in line and "hidden size 32" in line
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [MARKER]  # nothing written
+
+
+def interrupted_fit(argv: list[str], after: int) -> None:
+    """Run `loca fit ARGV` (in this process) and interrupt it like Ctrl-C once the fit state of
+    iteration ``after`` is saved: the run folder then holds an unfinished run to resume."""
+    from loca.run_folder import RunFolder
+
+    real = RunFolder.checkpoint
+
+    def stop(self, state):
+        real(self, state)
+        if state.iteration >= after:
+            raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RunFolder, "checkpoint", stop)
+        assert main(argv) == 130
+
+
+def fit_argv(common, out, *extra):
+    return [
+        "fit",
+        *common,
+        *SMALL,
+        "--max-iters",
+        "6",
+        "--patience",
+        "6",
+        "--etas",
+        "0.3",
+        *extra,
+        "--out",
+        str(out),
+    ]
+
+
+def snapshot(folder) -> dict:
+    """Every file under ``folder`` (symbolic links as their targets), by relative path."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        out[rel] = ("link", os.readlink(p)) if p.is_symlink() else p.read_bytes() if p.is_file() else "dir"
+    return out
+
+
+@pytest.mark.integration
+def test_a_truncated_fit_state_is_refused_naming_the_file_and_nothing_is_replaced(setup, tmp_path):
+    """`fit --resume` on a run whose checkpoint/fit_state.json was cut short: one line naming the
+    file (a real process); the adapter and history stay as they were, no restart from 0."""
+    root, common = setup
+    out = tmp_path / "run"
+    interrupted_fit(fit_argv(common, out), after=3)
+    state = out / "checkpoint" / "fit_state.json"
+    text = state.read_text()
+    state.write_text(text[: len(text) // 2])
+    before = snapshot(out)
+    done = loca_process("fit", "--resume", "--out", str(out), "--quiet")
+    assert done.returncode == 2, done.stderr
+    [line] = error_lines(done.stderr)
+    assert str(state) in line and "not readable JSON" in line
+    assert snapshot(out) == before and not (out / "results.json").exists()
+
+
+def _partial(state):
+    meta = json.loads(state.read_text())
+    del meta["num_blocks"], meta["trajectories"]
+    state.write_text(json.dumps(meta))
+
+
+def _iteration(delta):
+    def edit(state):
+        meta = json.loads(state.read_text())
+        meta["iteration"] += delta
+        state.write_text(json.dumps(meta))
+
+    return edit
+
+
+def _cut_tensors(state):
+    weights = state.parent / "fit_state.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-40])
+
+
+def _nan_b(state):
+    from safetensors.torch import load_file, save_file
+
+    weights = state.parent / "fit_state.safetensors"
+    tensors = load_file(weights)
+    tensors["trajectory0.0"] = torch.full_like(tensors["trajectory0.0"], float("nan"))
+    save_file(tensors, weights)
+
+
+def _no_record(state):
+    meta = json.loads(state.read_text())
+    del meta["run"]
+    state.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    "damage, names, needle",
+    [
+        (_partial, "fit_state.json", "missing or malformed num_blocks, trajectories"),
+        (_iteration(-2), "fit_state.json", "its iteration (1) contradicts its history"),
+        (_iteration(+2), "fit_state.json", "its iteration (5) contradicts its history"),
+        (_cut_tensors, "fit_state.safetensors", "not a readable safetensors file"),
+        (_nan_b, "fit_state.safetensors", "holds NaN/Inf"),
+        (_no_record, "fit_state.json", "records no model, data and settings fingerprint"),
+        (lambda s: shutil.rmtree(s.parent), "checkpoint", "the fit state was lost"),
+        (
+            lambda s: (s.parent.parent / "history.jsonl").write_text("{}\n"),
+            "fit_state.json",
+            "does not match",
+        ),
+    ],
+    ids=[
+        "partial-json",
+        "iteration-lowered",
+        "iteration-raised",
+        "cut-tensors",
+        "nan-b",
+        "no-record",
+        "lost",
+        "history",
+    ],
+)
+@pytest.mark.integration
+def test_a_damaged_or_edited_fit_state_is_refused_naming_the_file(
+    setup, tmp_path, capsys, damage, names, needle
+):
+    root, common = setup
+    out = tmp_path / "run"
+    interrupted_fit(fit_argv(common, out), after=3)
+    damage(out / "checkpoint" / "fit_state.json")
+    before = snapshot(out)
+    capsys.readouterr()
+    assert main(["fit", "--resume", "--out", str(out), "--quiet"]) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert names in line and needle in line, line
+    assert snapshot(out) == before and not (out / "results.json").exists()
+
+
+@pytest.mark.integration
+def test_a_fit_state_from_a_run_with_other_settings_is_refused(setup, tmp_path, capsys):
+    root, common = setup
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    interrupted_fit(fit_argv(common, mine), after=3)
+    interrupted_fit(fit_argv(common, theirs, "--beta-rel", "0.5"), after=3)
+    shutil.rmtree(mine / "checkpoint")
+    shutil.copytree(theirs / "checkpoint", mine / "checkpoint")
+    capsys.readouterr()
+    assert main(["fit", "--resume", "--out", str(mine), "--quiet"]) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert "checkpoint/fit_state.json" in line and "other LoCA settings" in line and "beta_rel" in line
+    assert not (mine / "results.json").exists()
+
+
+@pytest.mark.integration
+def test_resuming_after_the_data_changed_is_refused(setup, tmp_path, capsys):
+    """Labels flipped under an interrupted run (same ids): --resume refuses naming config.json, so
+    results.json never sets the old data's frozen CE beside the new data's LoCA CE."""
+    root, common = setup
+    task = tmp_path / "task.jsonl"
+    task.write_bytes((root / "task.jsonl").read_bytes())
+    args = list(common)
+    args[args.index("--task") + 1] = str(task)
+    out = tmp_path / "run"
+    interrupted_fit(fit_argv(args, out), after=2)
+    rows = [json.loads(line) for line in task.read_text().splitlines()]
+    task.write_text("".join(json.dumps({**r, "label": 1 - r["label"]}) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["fit", "--resume", "--out", str(out), "--quiet"]) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert str(out / "config.json") in line and "data changed since this run started" in line
+    assert not (out / "results.json").exists()
+    task.write_text("".join(json.dumps(r) + "\n" for r in rows))  # the data as they were: it resumes
+    assert main(["fit", "--resume", "--out", str(out), "--quiet"]) == 0
+    assert (out / "results.json").is_file() and not (out / "checkpoint").exists()
+
+
+@pytest.mark.integration
+def test_overwrite_replaces_the_earlier_run_only_once_the_new_one_has_finished(setup, tmp_path):
+    """`fit --overwrite` over a finished run whose adapter/ is a symbolic link: a rerun that fails
+    (a real process, NaN weights) leaves every file of the earlier run and the link as they were,
+    and no staging folder; a rerun that succeeds replaces the run, removing the link but not its
+    target."""
+    root, common = setup
+    out = tmp_path / "run"
+    assert main(fit_argv(common, out)) == 0
+    elsewhere = tmp_path / "kept" / "adapter"
+    shutil.copytree(out / "adapter", elsewhere)
+    shutil.rmtree(out / "adapter")
+    (out / "adapter").symlink_to(elsewhere, target_is_directory=True)
+    (out / "notes.txt").write_text("mine")
+    before, kept = snapshot(out), snapshot(elsewhere)
+    bad = tmp_path / "nan-model"
+    model = tiny_model(tiny_tokenizer())
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    model.save_pretrained(bad)
+    tiny_tokenizer().save_pretrained(bad)
+    argv = fit_argv(["--model", str(bad), *common[2:]], out, "--overwrite")[1:]
+    done = loca_process("fit", *argv)
+    assert done.returncode != 0 and len(error_lines(done.stderr)) == 1, done.stderr
+    assert snapshot(out) == before and snapshot(elsewhere) == kept
+    assert main(fit_argv(common, out, "--overwrite", "--max-iters", "2")) == 0
+    assert json.loads((out / "config.json").read_text())["loca"]["max_iters"] == 2
+    assert (out / "adapter").is_dir() and not (out / "adapter").is_symlink()
+    assert snapshot(elsewhere) == kept and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [MARKER]
+
+
+@pytest.mark.integration
+def test_an_interrupted_overwrite_leaves_the_earlier_run(setup, tmp_path):
+    """Ctrl-C (or SIGTERM) during an --overwrite rerun: the earlier run is whole, the rerun's
+    staging folder is gone."""
+    root, common = setup
+    out = tmp_path / "run"
+    assert main(fit_argv(common, out)) == 0
+    before = snapshot(out)
+    interrupted_fit(fit_argv(common, out, "--overwrite", "--beta-rel", "0.5"), after=2)
+    assert snapshot(out) == before
+
+
+@pytest.mark.unit
+def test_swap_in_puts_the_old_entries_back_if_a_rename_fails(tmp_path, monkeypatch):
+    from loca.infra.io import swap_in
+
+    into, new = tmp_path / "run", tmp_path / "run" / ".staging"
+    new.mkdir(parents=True)
+    for name, text in (("a", "old a"), ("b", "old b"), ("keep", "user")):
+        (into / name).write_text(text)
+    (new / "a").write_text("new a")  # the new run has no "b": it is removed on success
+    real, calls = os.replace, {"n": 0}
+
+    def failing(src, dst):
+        calls["n"] += 1
+        if calls["n"] == 3:  # both old entries moved aside; the new one fails to move in
+            raise OSError("disk full")
+        return real(src, dst)
+
+    monkeypatch.setattr(io_mod.os, "replace", failing)
+    with pytest.raises(OSError, match="disk full"):
+        swap_in(new, into, ("a", "b"))
+    assert {p.name: p.read_text() for p in into.iterdir() if p.is_file()} == {
+        "a": "old a",
+        "b": "old b",
+        "keep": "user",
+    }
+    monkeypatch.setattr(io_mod.os, "replace", real)
+    swap_in(new, into, ("a", "b"))
+    assert sorted(p.name for p in into.iterdir()) == ["a", "keep"] and (into / "a").read_text() == "new a"

@@ -11,8 +11,6 @@ from loca.method.calibrate import Calibrator
 from loca.method.fit import fit
 from loca.method.state import load_fit_state, save_fit_state
 
-pytestmark = pytest.mark.integration
-
 TIMING = {"time_s", "elapsed_s"}
 
 
@@ -33,6 +31,7 @@ def strip(history):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in history]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "cfg_kw, stop_at",
     [
@@ -74,6 +73,7 @@ def test_a_resumed_fit_equals_an_uninterrupted_one(tmp_path, cfg_kw, stop_at):
     res.adapters.detach()
 
 
+@pytest.mark.integration
 def test_a_state_for_another_model_is_refused(tmp_path):
     parts, cal, maps, train, heldout, cfg = setup(max_iters=1)
     fit(
@@ -88,3 +88,53 @@ def test_a_state_for_another_model_is_refused(tmp_path):
     _, other = tiny_parts(hidden=32, layers=2)
     with pytest.raises(ValueError, match="3 blocks"):
         load_fit_state(tmp_path / "s", other)
+
+
+@pytest.mark.integration
+def test_a_state_is_checked_against_the_run_it_resumes(tmp_path):
+    """A state saved with its run's record (model, data content, settings) loads only for the same
+    record: other data, other settings or no record at all are refused naming fit_state.json."""
+    from loca.models.parts import fingerprint
+
+    parts, cal, maps, train, heldout, cfg = setup(max_iters=2)
+    run = {"model": fingerprint(parts), "data": "0" * 64, "loca": cfg.to_dict()}
+    res = fit(
+        parts,
+        maps,
+        train,
+        heldout,
+        cfg,
+        on_checkpoint=lambda s: save_fit_state(s, tmp_path / "s", run),
+        progress=False,
+    )
+    res.adapters.detach()
+    assert load_fit_state(tmp_path / "s", parts, run).iteration == 2
+    with pytest.raises(
+        ValueError, match="fit_state.json: this fit state was made with other training/held-out data"
+    ):
+        load_fit_state(tmp_path / "s", parts, {**run, "data": "1" * 64})
+    with pytest.raises(
+        ValueError, match=r"other LoCA settings than the run resuming it \(differs in: max_iters, rank\)"
+    ):
+        load_fit_state(tmp_path / "s", parts, {**run, "loca": {**run["loca"], "rank": 4, "max_iters": 5}})
+    save_fit_state(load_fit_state(tmp_path / "s", parts), tmp_path / "bare")  # the API, no record
+    with pytest.raises(ValueError, match="fit_state.json: records no model, data and settings"):
+        load_fit_state(tmp_path / "bare", parts, run)
+
+
+@pytest.mark.unit
+def test_the_data_fingerprint_is_the_content_not_the_ids():
+    from dataclasses import replace
+
+    from loca.data.encoding import content_fingerprint
+
+    train, heldout = sequences(8, seed=0), sequences(4, seed=1)
+    base = content_fingerprint(train, heldout)
+    assert content_fingerprint([replace(e, source=99) for e in train], heldout) == base  # not ids
+    flipped = [
+        replace(train[0], completion=(train[0].completion[0] + 1, *train[0].completion[1:])),
+        *train[1:],
+    ]
+    assert content_fingerprint(flipped, heldout) != base  # a changed answer
+    assert content_fingerprint(train[:-1], [train[-1], *heldout]) != base  # an example moved over
+    assert content_fingerprint([replace(e, has_eos=False) for e in train], heldout) != base

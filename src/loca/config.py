@@ -383,26 +383,116 @@ class DataConfig(Settings):
         }
 
 
+SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "loca": LocaConfig}
+
+
+def section_of(name: str) -> str | None:
+    """The section whose field ``name`` is (the three sections share no field name)."""
+    return next((s for s, cls in SECTION_CLASSES.items() if name in {f.name for f in fields(cls)}), None)
+
+
 def sections_from_dict(obj: dict) -> dict:
-    """The sections a JSON/YAML object holds, as dicts of fields: a run's ``config.json``
-    (``{"model": {...}, "data": {...}, "loca": {...}}``), a bare LocaConfig object, or an older
-    run's config (``"model"`` a name string, ``"dtype"`` beside it). Unknown fields raise."""
+    """The sections a JSON/YAML object holds, as dicts of fields whose values are converted as
+    their flags would be (:func:`value_from_file`). Two layouts:
+
+    - sectioned: ``{"model": {...}, "data": {...}, "loca": {...}}`` (any of the three). A record
+      that loca wrote (a file naming its ``command``: a run's or a comparison's ``config.json``)
+      holds other keys beside its sections (the split record, fingerprints, versions, a
+      comparison's own settings), which are skipped; ``"model"`` a name string with ``"dtype"``
+      beside it is an older record's model section. In a file without ``command`` any other
+      top-level key is refused;
+    - flat: every setting at the top level (``{"model": "m", "n_train": 24, "rank": 8}``), each
+      going to the section that has a field of that name.
+
+    An unknown section, a setting outside its section in a sectioned file, an unknown setting and
+    a value of the wrong type raise a ValueError naming the key."""
     if not isinstance(obj, dict):
-        raise ValueError("expected a JSON/YAML object")
-    known = {"model": ModelConfig, "data": DataConfig, "loca": LocaConfig}
-    if not any(k in obj for k in known):
-        obj = {"loca": obj}
+        raise ValueError("expected a JSON/YAML object (of sections, or of settings)")
+    raw: dict[str, dict] = {}
+    if any(isinstance(obj.get(k), dict) for k in SECTION_CLASSES):  # sectioned
+        record = "command" in obj
+        for key, values in obj.items():
+            if key in SECTION_CLASSES:
+                if key == "model" and isinstance(values, str):  # a config.json written before sections
+                    values = {"model": values, **({"dtype": obj["dtype"]} if "dtype" in obj else {})}
+                if not isinstance(values, dict):
+                    raise ValueError(f"section {key!r} must be an object of settings, not {values!r}")
+                raw[key] = values
+            elif record:  # what loca recorded beside the sections: not settings
+                continue
+            elif section_of(key):
+                raise ValueError(
+                    f"{key!r} is a {section_of(key)} setting outside its section: put it under "
+                    f"{section_of(key)!r}, or write every setting at the top level (no sections)"
+                )
+            else:
+                raise ValueError(f"unknown section {key!r} (the sections are {', '.join(SECTION_CLASSES)})")
+    else:  # flat
+        for key, value in obj.items():
+            section = section_of(key)
+            if key in SECTION_CLASSES and section is None:
+                raise ValueError(f"section {key!r} must be an object of settings, not {value!r}")
+            if section is None:
+                raise ValueError(
+                    f"unknown setting {key!r} (not a field of the model, data or loca section; "
+                    "see `loca fit --help`)"
+                )
+            raw.setdefault(section, {})[key] = value
     out: dict[str, dict] = {}
-    for name, cls in known.items():
-        values = obj.get(name)
-        if values is None:
-            continue
-        if name == "model" and isinstance(values, str):  # a config.json written before sections
-            values = {"model": values, **({"dtype": obj["dtype"]} if "dtype" in obj else {})}
-        if not isinstance(values, dict):
-            raise ValueError(f"section {name!r} must be an object")
+    for name, values in raw.items():
+        cls = SECTION_CLASSES[name]
         unknown = sorted(set(values) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown {'LoCA' if name == 'loca' else name} setting(s) {unknown}")
-        out[name] = values
+        out[name] = {k: value_from_file(cls, k, v, where=f"{name}.{k}") for k, v in values.items()}
     return out
+
+
+def value_from_file(cls, name: str, value, where: str | None = None):
+    """A field's value read from a JSON/YAML file, converted as its command-line flag would be:
+    a bool from true/false (or the strings "true"/"false"), an int from an integer (or a string
+    of one), a float from a number (or a string of one: YAML reads ``1e-3`` as a string), a list
+    from a list, a comma-separated string or one scalar (``etas: 0.01`` is ``[0.01]``), None only
+    where the field allows it. Anything else raises a ValueError naming ``where`` (the key)."""
+    where = where or name
+    kind = field_types(cls)[name]
+    if value is None:
+        if accepts_none(cls, name):
+            return None
+        raise ValueError(f"{where} must be set (null is not allowed here)")
+    if get_origin(kind) is list:
+        element = get_args(kind)[0]
+        if isinstance(value, str):
+            value = [x.strip() for x in value.split(",") if x.strip()]
+        elif not isinstance(value, list):
+            value = [value]
+        return [_scalar_from_file(element, x, where) for x in value]
+    return _scalar_from_file(kind, value, where)
+
+
+def _scalar_from_file(kind, value, where: str):
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise ValueError(f"{where} must be true or false, not {value!r}")
+    if kind in (int, float):
+        if isinstance(value, bool):  # bool is an int in Python, never a count or a size here
+            raise ValueError(f"{where} must be {_A[kind]}, not {value!r}")
+        if isinstance(value, int) or (kind is float and isinstance(value, float)):
+            return kind(value)
+        if isinstance(value, str):
+            try:
+                return kind(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be {_A[kind]}, not {value!r}")
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where} must be a string, not {value!r}")
+    return value
+
+
+_A = {int: "an integer", float: "a number"}

@@ -27,14 +27,14 @@ from .config import DataConfig, LocaConfig, ModelConfig, sections_from_dict
 from .data import Batch, Encoded, Splits, degenerate_warnings, encode_examples, get_task, load_splits
 from .data import load_test as load_test_split
 from .data.batching import make_batches, pad_token_id, padding_fraction
-from .data.encoding import count_truncated
+from .data.encoding import content_fingerprint, count_truncated
 from .eval.evaluation import evaluate
 from .infra import distributed
 from .infra.runs import require_finite
 from .infra.versions import versions
 from .method.adapters import ResidualAdapters
 from .method.calibrate import Calibrator
-from .method.fit import FitResult
+from .method.fit import FitResult, check_rank
 from .method.maps import FeedbackMaps
 from .method.run import LocaRun, RunWriter, calibrate_maps, run_loca
 from .method.state import FitState
@@ -75,16 +75,28 @@ class Pipeline:
             self._set_model(model_object, tokenizer)
 
     @classmethod
-    def from_run(cls, folder: str | Path, **kwargs) -> Pipeline:
-        """The pipeline a run folder's ``config.json`` describes (to rerun or resume it)."""
+    def from_run(cls, folder: str | Path, *, trust_remote_code: bool = False, **kwargs) -> Pipeline:
+        """The pipeline a run folder's ``config.json`` describes (to rerun or resume it).
+        ``trust_remote_code`` is never taken from the folder: a run that was made with it is
+        refused unless it is given here again (``--trust-remote-code`` on the command line)."""
         path = Path(folder) / "config.json"
         try:
             obj = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: not readable JSON ({exc})") from None
-        s = sections_from_dict(obj)
+        try:
+            s = sections_from_dict(obj)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        model = dict(s.get("model", {}))
+        if model.pop("trust_remote_code", False) and not trust_remote_code:
+            raise ValueError(
+                f"{path}: the run was made with trust_remote_code (Python code shipped with the "
+                "model), which is never taken from a run folder; pass --trust-remote-code on the "
+                "command line (trust_remote_code=True in Python) to allow it again"
+            )
         return cls(
-            ModelConfig(**s.get("model", {})),
+            ModelConfig(**model, trust_remote_code=trust_remote_code),
             DataConfig(**s.get("data", {})),
             LocaConfig(**s.get("loca", {})),
             **kwargs,
@@ -198,6 +210,12 @@ class Pipeline:
         self._truncated = {"train": 0, "heldout": 0}
         self._batched = self._calibrator = None
 
+    def data_fingerprint(self) -> str:
+        """The content fingerprint of the training and held-out sequences this run fits on
+        (:func:`loca.data.encoding.content_fingerprint`): a run folder records it, and a resume
+        refuses data whose content changed, whatever their ids."""
+        return content_fingerprint(*self.encoded())
+
     def truncated(self) -> dict[str, int]:
         """How many training and held-out prompts were cut from the left."""
         self.encoded()
@@ -291,6 +309,7 @@ class Pipeline:
             "maps": maps_path,
             "task": self.task.describe(),
             "splits": self.splits.record,
+            "data_fingerprint": self.data_fingerprint(),
             "device": str(self.parts.device),
             "fingerprint": fingerprint(self.parts),
             "versions": versions(),
@@ -306,29 +325,55 @@ class Pipeline:
     ) -> dict:
         """Calibrate (or load ``maps``), fit, evaluate LoCA and the frozen model on the test set;
         with ``out``, write the run folder as the fit goes. ``resume`` continues an interrupted run
-        in ``out`` (built by :meth:`from_run`) from its last completed iteration."""
+        in ``out`` (built by :meth:`from_run`) from its last completed iteration, on the same data
+        and settings only. ``overwrite`` replaces an earlier run in ``out``: this run is written
+        beside it (a staging folder) and replaces it only once it has finished."""
         start = time.perf_counter()
         out = Path(out) if out is not None else None
         main = out is not None and distributed.is_main()  # data-parallel: rank 0 writes
+        target = out  # where this run's files go: ``out``, or a staging folder swapped in at the end
         if resume:
             maps = RunFolder.unfinished(out)
         elif main:
-            RunFolder.prepare(out, self.model_config.model, overwrite)
+            target = RunFolder.prepare(out, self.model_config.model, overwrite)
         distributed.barrier()
-        if maps is None and resume:
-            maps = RunFolder.saved_maps(out)  # calibrated before the interruption
-        maps_obj = self.load_maps(maps) if maps else None
-        state = RunFolder.saved_state(out, self.parts) if resume else None
+        try:
+            results = self._run(out, target, maps, resume, main, start)
+        except BaseException:
+            if main and target != out:
+                RunFolder.discard(target)  # the earlier run stays as it was
+            raise
+        if main and target != out:
+            RunFolder.replace(out, target)
+        return results
+
+    def _run(self, out, target, maps, resume: bool, main: bool, start: float) -> dict:
+        """:meth:`run` once the folder is chosen: ``target`` receives the files, ``out`` holds the
+        run that ``resume`` continues."""
+        check_rank(self.cfg.rank, self.parts)  # loads the model; before any work
+        if maps is not None and target != out and _inside(Path(maps), out):
+            raise ValueError(
+                f"--maps {maps} lies inside --out {out}, whose earlier run --overwrite replaces; copy "
+                "the maps elsewhere first"
+            )
+        data = self.data_fingerprint() if main or resume else None
+        if resume:
+            RunFolder.check_data(out, data)
+            if maps is None:
+                maps = RunFolder.saved_maps(out)  # calibrated before the interruption
+        maps_obj = self.load_maps(maps) if maps else None  # may set the calibration settings
+        run = {"model": fingerprint(self.parts), "data": data, "loca": self.cfg.to_dict()}
+        state = RunFolder.saved_state(out, self.parts, run) if resume else None
         if state:
             log.info(f"resuming after iteration {state.iteration} of {self.cfg.max_iters}")
         extra = {"task": self.task.name, "feedback_rank": None, "loca": self.cfg.to_dict()}
-        writer = RunFolder(out, extra, state.history if state else []) if main else None
+        writer = RunFolder(target, extra, state.history if state else [], run) if main else None
         if main and not resume:
             writer.config(self.record(str(maps) if maps else None))
         if main and state:
             writer.history()
-        run = self.fit(maps_obj, resume=state, writer=writer)
-        result = run.result
+        fitted = self.fit(maps_obj, resume=state, writer=writer)
+        result = fitted.result
         if self.cfg.max_iters == 0:
             log.info("LoCA: --max-iters 0 runs no Stage II iteration; returning the frozen model (B = 0)")
         elif not result.improved:
@@ -336,7 +381,7 @@ class Pipeline:
                 "LoCA: no candidate beat the frozen model on held-out CE; returning the frozen model (B = 0)"
             )
         try:  # the adapters come off again whatever happens
-            results = self._results(result, run.maps.meta.get("alignment", {}), start)
+            results = self._results(result, fitted.maps.meta.get("alignment", {}), start)
             if main:
                 writer.finish(result.adapters, _selected_row(result), results)
         finally:
@@ -397,6 +442,12 @@ def check_maps_data(maps: FeedbackMaps, task: str, splits: Splits, where: str) -
                 f"(e.g. id {sorted(overlap)[0]!r}): calibrate with this run's --seed, --n-train and "
                 "--n-heldout, or fit with the maps' settings"
             )
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it."""
+    p, f = path.resolve(), folder.resolve()
+    return p == f or f in p.parents
 
 
 def _selected_row(result: FitResult) -> dict | None:

@@ -24,6 +24,7 @@ from typing import get_args, get_origin
 
 from ..config import (
     PRESETS,
+    SECTION_CLASSES,
     SECTIONS,
     DataConfig,
     LocaConfig,
@@ -36,7 +37,6 @@ from ..data.sources import resolve_data_dir
 from ..pipeline import Pipeline
 
 log = logging.getLogger("loca")
-SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "loca": LocaConfig}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -166,13 +166,16 @@ def add_config_args(
         "--config",
         default=None,
         metavar="FILE",
-        help="settings from a JSON or YAML file: a run's config.json (its model, data and "
-        "loca sections) or an object of LoCA settings; flags given override it",
+        help="settings from a JSON or YAML file: a run's config.json, an object of model, data "
+        "and loca sections, or one of settings at the top level; checked like the flags, and "
+        "flags given override it (trust_remote_code is never read from it: pass the flag)",
     )
 
 
 def read_config_file(path: str) -> dict:
-    """The sections (``model``, ``data``, ``loca``) a JSON or YAML file holds."""
+    """The sections (``model``, ``data``, ``loca``) a JSON or YAML file holds
+    (:func:`loca.config.sections_from_dict`: sectioned or flat, every value checked and converted
+    as its flag would be); any error names the file."""
     text_path = Path(path)
     try:
         text = text_path.read_text()
@@ -207,15 +210,29 @@ def resolve_section(args: argparse.Namespace, name: str, **defaults):
     (the command's), the field's default. The data folder falls back to ``$LOCA_DATA_DIR``."""
     cls = SECTION_CLASSES[name]
     preset = preset_values(getattr(args, "preset", None) or "default") if name == "loca" else {}
+    from_file = dict(_file_sections(args).get(name, {}))
+    if name == "model":
+        refuse_remote_code_from_file(from_file.pop("trust_remote_code", False), args)
     values = {
         **defaults,
         **preset,
-        **_file_sections(args).get(name, {}),
+        **from_file,
         **dataclass_from_args(cls, args, build=False),
     }
     if name == "data":
         values["data_dir"] = resolve_data_dir(values.get("data_dir"))
     return cls(**values)
+
+
+def refuse_remote_code_from_file(asked: bool, args: argparse.Namespace) -> None:
+    """``trust_remote_code`` comes from the command line only: a ``--config`` file that asks for it
+    (it would run Python code shipped with the model) is refused unless the flag is given (which
+    then decides, as it always does)."""
+    if asked and not hasattr(args, "trust_remote_code"):
+        raise ValueError(
+            f"--config {args.config}: trust_remote_code is not taken from a config file (it would run "
+            "Python code shipped with the model); pass --trust-remote-code on the command line to allow it"
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> LocaConfig:

@@ -48,21 +48,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the results of an earlier `loca fit` run in --out, or add this run's "
-        "files to a non-empty folder (nothing else there is deleted)",
+        help="replace the results of an earlier `loca fit` run in --out (only once this run has "
+        "finished: if it fails, the earlier run stays), or add this run's files to a non-empty "
+        "folder (nothing else there is deleted)",
     )
     g.add_argument(
         "--resume",
         action="store_true",
         help="continue the interrupted run in --out from its last completed iteration, "
-        "with the settings of its config.json (no other settings may be given)",
+        "with the settings of its config.json (no other settings may be given; "
+        "--trust-remote-code must be given again if the run used it), on the same data only",
     )
     add_output_args(p)
 
 
-# flags that --resume refuses: the run's own config.json gives every setting
+# flags that --resume refuses: the run's own config.json gives every setting (but
+# trust_remote_code, which is only ever taken from the command line)
 _SETTINGS = (
-    *(f.name for f in fields(ModelConfig)),
+    *(f.name for f in fields(ModelConfig) if f.name != "trust_remote_code"),
     *(f.name for f in fields(DataConfig)),
     "maps",
     "config",
@@ -81,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in given)} {why}")
         if not args.out:
             raise ValueError("--resume needs --out, the folder of the run to continue")
-        results = Pipeline.from_run(args.out, progress=progress).run(args.out, resume=True)
+        remote = getattr(args, "trust_remote_code", False)
+        pipeline = Pipeline.from_run(args.out, trust_remote_code=remote, progress=progress)
+        results = pipeline.run(args.out, resume=True)
     else:
         if args.maps:
             refuse_flags(

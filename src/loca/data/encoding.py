@@ -7,6 +7,8 @@ the choice text *without* the leading space (the lm-evaluation-harness ``acc_nor
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -76,3 +78,16 @@ def count_truncated(tokenizer, task: Task, examples: Sequence[Example], encoded:
     prompts = [task.prompt(ex) for ex in examples]
     full = tokenizer(prompts, add_special_tokens=True)["input_ids"]
     return sum(len(f) > len(e.prompt) for f, e in zip(full, encoded, strict=True))
+
+
+def content_fingerprint(*groups: Sequence[Encoded]) -> str:
+    """A SHA-256 over the token content of encoded sequences, group by group (e.g. the training
+    and held-out sequences): each sequence's prompt and completion ids and its EOS flag, in order.
+    Any change to what a fit sees (a flipped label, an edited question, another tokenizer, another
+    ``max_length`` or ``add_eos``, an example moved between groups) changes it; ids do not enter."""
+    digest = hashlib.sha256()
+    for items in groups:
+        digest.update(f"group of {len(items)}\n".encode())
+        for e in items:
+            digest.update(json.dumps([list(e.prompt), list(e.completion), e.has_eos]).encode() + b"\n")
+    return digest.hexdigest()

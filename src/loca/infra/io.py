@@ -57,6 +57,38 @@ def atomic_write_json(path: str | Path, obj) -> None:
     atomic_write_text(path, text + "\n")
 
 
+def swap_in(new: str | Path, into: str | Path, names: tuple[str, ...]) -> None:
+    """Replace the entries ``names`` of the folder ``into`` with those of ``new`` (an entry that
+    ``new`` lacks is removed from ``into``), then remove ``new``. ``new`` must be on the same file
+    system (e.g. inside ``into``): every step is a rename. The old entries are moved aside first and
+    deleted only once every new one is in place; if a rename fails they are put back. A symbolic
+    link among them is moved and removed as a link (its target is never touched). Ctrl-C and
+    SIGTERM wait until the swap is done."""
+    new, into = Path(new), Path(into)
+    with deferred_signals():
+        aside = Path(tempfile.mkdtemp(dir=into, prefix=".loca-replaced-"))
+        moved_aside: list[str] = []
+        moved_in: list[str] = []
+        try:
+            for name in names:
+                if os.path.lexists(into / name):
+                    os.replace(into / name, aside / name)
+                    moved_aside.append(name)
+            for name in names:
+                if os.path.lexists(new / name):
+                    os.replace(new / name, into / name)
+                    moved_in.append(name)
+        except BaseException:
+            for name in moved_in:
+                os.replace(into / name, new / name)
+            for name in moved_aside:
+                os.replace(aside / name, into / name)
+            shutil.rmtree(aside, ignore_errors=True)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(new, ignore_errors=True)
+
+
 class FolderInUseError(FileExistsError):
     """A folder holds something loca did not make and must not replace."""
 

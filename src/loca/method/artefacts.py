@@ -100,16 +100,54 @@ def write_fit_state(
         save_file(tensors, tmp / FIT_STATE_WEIGHTS)
         if write_maps is not None:
             write_maps(tmp / "maps")
-        atomic_write_json(tmp / FIT_STATE_CONFIG, {"format": FIT_STATE_FORMAT, "version": 1, **meta})
+        atomic_write_json(tmp / FIT_STATE_CONFIG, {"format": FIT_STATE_FORMAT, "version": 2, **meta})
+
+
+# the keys of fit_state.json and the JSON types of their values
+_NUMBER, _INT = (int, float), (int,)
+FIT_STATE_KEYS = {
+    "iteration": _INT,
+    "frozen_ce": _NUMBER,
+    "num_blocks": _INT,
+    "trajectories": (list,),
+    "best": (dict,),
+    "history": (list,),
+    "elapsed_s": _NUMBER,
+    "recalibrations": _INT,
+    "recalibration_s": _NUMBER,
+    "maps": (bool,),
+}
 
 
 def read_fit_state(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
-    """``(meta, tensors)`` of a fit-state folder (its re-calibrated maps, if any, checked present)."""
+    """``(meta, tensors)`` of a fit-state folder (its re-calibrated maps, if any, checked present).
+    A missing, unreadable, truncated or partial ``fit_state.json`` (a key missing or of the wrong
+    type) or ``fit_state.safetensors`` (unreadable, or holding NaN/Inf) is a ValueError naming the
+    file: a fit state is never half read."""
     directory = Path(directory)
-    meta = read_json_object(directory / FIT_STATE_CONFIG)
+    path = directory / FIT_STATE_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a complete LoCA fit state")
+    meta = read_json_object(path)
     if meta.get("format") != FIT_STATE_FORMAT:
-        raise ValueError(f"{directory / FIT_STATE_CONFIG}: not a LoCA fit state")
+        raise ValueError(f"{path}: not a LoCA fit state (format {meta.get('format')!r})")
+    bad = [
+        key
+        for key, kinds in FIT_STATE_KEYS.items()
+        if not isinstance(meta.get(key), kinds) or (bool not in kinds and isinstance(meta.get(key), bool))
+    ]
+    if bad:
+        raise ValueError(
+            f"{path}: missing or malformed {', '.join(bad)} (a partial or edited fit state); "
+            "it cannot be resumed"
+        )
     tensors = read_safetensors(directory / FIT_STATE_WEIGHTS)
+    nonfinite = sorted(k for k, t in tensors.items() if t.is_floating_point() and not t.isfinite().all())
+    if nonfinite:
+        raise ValueError(
+            f"{directory / FIT_STATE_WEIGHTS}: holds NaN/Inf (in {', '.join(nonfinite[:3])}); "
+            "a fit never saves such a state, so the file is damaged; it cannot be resumed"
+        )
     if meta["maps"] and not (directory / "maps" / MAPS_CONFIG).is_file():
         raise ValueError(f"{directory}: the re-calibrated maps are missing")
     return meta, tensors

@@ -247,7 +247,18 @@ class _Loop:
         )
 
 
+def check_rank(rank: int, parts: ModelParts) -> None:
+    """Refuse an adapter rank above the model's hidden size d (A is r×d: at most d independent
+    directions, and an adapter of higher rank is refused when loaded), before any work."""
+    if rank > parts.hidden_size:
+        raise ValueError(
+            f"--rank {rank} is larger than the model's hidden size {parts.hidden_size}: the adapter "
+            f"rank must be 1..{parts.hidden_size}; choose --rank {parts.hidden_size} or less"
+        )
+
+
 def _check(parts: ModelParts, credit: Credit, train, heldout, cfg: LocaConfig, calibrator) -> None:
+    check_rank(cfg.rank, parts)
     if not train:
         raise ValueError("the training set is empty")
     if not heldout:

@@ -17,7 +17,7 @@ from ..data.batching import Batch
 from ..models.parts import ModelParts
 from .adapters import ResidualAdapters
 from .calibrate import Calibrator
-from .fit import FitResult, fit
+from .fit import FitResult, check_rank, fit
 from .maps import FeedbackMaps
 from .state import FitState
 
@@ -74,6 +74,8 @@ def calibrate_maps(
     in the maps' metadata, with the calibration time."""
     t0 = time.perf_counter()
     rounds = cfg.calibration_rounds
+    if rounds > 1:
+        check_rank(cfg.rank, calibrator.parts)  # the rounds' short fits
     if rounds == 1:
         maps = calibrator.refit()
     else:
@@ -115,6 +117,7 @@ def run_loca(
     A forward-only fit (no re-calibration, no alignment diagnostic) runs with autograd disabled.
     ``resume`` continues a fit from its saved state; ``writer`` receives the maps, every history
     row, every new best and every checkpoint."""
+    check_rank(cfg.rank, parts)  # before calibrating
     writer = writer or RunWriter()
     start = time.perf_counter()
     calibrated = maps is None
