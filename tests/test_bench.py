@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from tiny import SENTIMENT_TEMPLATE, save_model_and_task
+from tiny import SENTIMENT_TEMPLATE, save_model_and_task, sequences, tiny_parts
 
 from loca.bench.measure import measure_phases
 from loca.cli.main import main
@@ -53,7 +53,7 @@ def test_every_phase_runs_and_the_table_has_its_ratios(tmp_path):
         "--n-train",
         "16",
         "--phases",
-        "forward,stage2,full-run,lora,adapter-mezo,mezo",
+        "forward-floor,forward,stage2,full-run,lora,adapter-mezo,mezo",
         "--repeats",
         "1",
         "--full-run-iters",
@@ -64,13 +64,15 @@ def test_every_phase_runs_and_the_table_has_its_ratios(tmp_path):
     ]
     assert main(argv) == 0
     report = json.loads((out / "bench.json").read_text())
-    phases = ["forward", "stage2", "full-run", "lora", "adapter-mezo", "mezo"]
+    phases = ["forward-floor", "forward", "stage2", "full-run", "lora", "adapter-mezo", "mezo"]
     assert [r["phase"] for r in report["rows"]] == phases
     table = (out / "bench.md").read_text().splitlines()
     lora = next(line for line in table if line.startswith("| lora |"))
     stage2 = next(line for line in table if line.startswith("| stage2 |")).split(" | ")
     by = {r["phase"]: r for r in report["rows"]}
+    assert float(stage2[2]) == round(by["stage2"]["time_s"] / by["forward-floor"]["time_s"], 2)
     assert float(stage2[3]) == round(by["stage2"]["time_s"] / by["lora"]["time_s"], 2)
+    assert "stage2/forward-floor" in report["ratios"]
     assert "—" in lora  # LoRA against itself: no ratio
 
 
@@ -116,3 +118,17 @@ def test_synthetic_items_are_seeded_and_sized():
     assert a == b and all(len(x.ids) == 9 and x.completion[-1] == 7 and x.has_eos for x in a)
     assert synthetic_items(5, 9, 100, seed=4, eos_id=7) != a
     assert all(len(x.completion) == 1 for x in synthetic_items(2, 3, 100))
+
+
+@pytest.mark.unit
+def test_the_floor_forms_the_full_forwards_logits_at_the_predict_positions_only():
+    from loca.bench.phases import predict_logits
+    from loca.data.batching import make_batches
+
+    model, parts = tiny_parts()
+    batch = make_batches(sequences(6), 0, batch_size=6)[0]
+    with torch.no_grad():
+        full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        floor = predict_logits(parts, batch)
+    assert floor.shape == (len(batch.pos_b), full.shape[-1])
+    torch.testing.assert_close(floor, full[batch.pos_b, batch.pos_t], rtol=1e-5, atol=1e-5)

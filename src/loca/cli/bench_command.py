@@ -3,14 +3,16 @@
 Example::
 
     loca bench --model smollm2-135m-instruct --task sst2 --data-dir data \
-        --phases forward,calibrate,stage2,full-run,lora,adapter-mezo --out runs/bench
+        --phases forward-floor,calibrate,stage2,full-run,lora,adapter-mezo --out runs/bench
 
-Phases (see :mod:`loca.bench.phases`): ``forward``, ``backbone``, ``calibrate``, ``stage2`` (one
+Phases (see :mod:`loca.bench.phases`): ``forward-floor`` (the best inference forward: logits only
+at the predict positions, graph-captured on one CUDA device; every ``× floor`` ratio is taken
+against it), ``forward`` (the plain full-logits eager forward), ``backbone``, ``calibrate``, ``stage2`` (one
 Stage II step, :func:`loca.method.stage2.stage2_pass`, the very step ``loca fit`` takes), ``stage2-eager``
 (the same without CUDA graphs), ``full-run`` (calibration + a short fit), ``lora`` (one epoch of
 PEFT LoRA), ``adapter-mezo`` and ``mezo`` (as many SPSA steps). ``--synthetic-length L`` runs on
 random token sequences of exactly L tokens instead of the task's. Interleaved and repeated;
-writes ``DIR/bench.json`` and ``DIR/bench.md`` (ratios to the forward and to LoRA, shaped like the
+writes ``DIR/bench.json`` and ``DIR/bench.md`` (ratios to the floor and to LoRA, shaped like the
 paper's Table 2). Under ``torchrun`` the LoCA phases run data-parallel.
 """
 
@@ -40,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     p.add_argument(
         "--phases",
-        default="forward,backbone,calibrate,stage2",
+        default="forward-floor,forward,backbone,calibrate,stage2",
         help=f"comma-separated subset of {','.join(PHASES)}",
     )
     p.add_argument(
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [r.to_dict() for r in results]
     by = {r["phase"]: r for r in rows}
     ratios = {}
-    for base in ("forward", "backbone"):
+    for base in ("forward-floor", "forward", "backbone"):
         if base in by:
             for r in rows:
                 if r["phase"] != base:
