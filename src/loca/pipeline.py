@@ -292,6 +292,7 @@ class Pipeline:
             "task": self.task.describe(),
             "splits": self.splits.record,
             "device": str(self.parts.device),
+            "distributed": distributed.describe(str(self.parts.device)),
             "fingerprint": fingerprint(self.parts),
             "versions": versions(),
         }
