@@ -315,6 +315,7 @@ def test_yardsticks_run_end_to_end(setup):
     assert "select" not in lora_key and LoraSettings(**lora_key) == LoraSettings()
 
 
+@pytest.mark.unit
 def test_every_place_that_names_a_method_reads_its_record():
     from loca.cli.compare_command import method_configs
     from loca.cli.main import build_parser
