@@ -72,6 +72,8 @@ def test_another_models_cells_are_refused_unless_overwrite(root, tmp_path, capsy
     assert main(compare(root, "m1", out, "--seeds", "0", "1")) == 0
     before = cell_files(out)
     assert sorted(before) == ["cells/sst2/seed0/frozen.json", "cells/sst2/seed1/frozen.json"]
+    launched = json.loads((out / "config.json").read_text())["distributed"]
+    assert launched == {"world_size": 1, "backend": None, "devices": ["cpu"], "hosts": 1}
     capsys.readouterr()
     for model, extra, differ in (
         ("m2", [], "model"),  # another model: M1's cells would be replaced

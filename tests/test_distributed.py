@@ -229,6 +229,8 @@ def test_compare_under_torchrun_matches_one_process(tmp_path):
             [*argv, *args, "--out", str(tmp_path / out)], env=ENV, capture_output=True, text=True, timeout=600
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
+    launched = json.loads((tmp_path / "two" / "config.json").read_text())["distributed"]
+    assert launched == {"world_size": 2, "backend": "gloo", "devices": ["cpu", "cpu"], "hosts": 1}
     rows = {}
     for out in ("one", "two"):
         for r in json.loads((tmp_path / out / "results.json").read_text())["rows"]:

@@ -70,4 +70,9 @@ def test_nan_logits_are_an_error_naming_the_cause(models, capsys):
     assert nan_cause(finite, "frozen").endswith(
         "the torch.bfloat16 activations overflow: try --dtype float32"
     )
-    assert "the adapter drives the torch.bfloat16 activations to overflow" in nan_cause(finite, "loca")
+    assert "the adapter drives the torch.bfloat16 activations to overflow: try --dtype float32" in nan_cause(
+        finite, "loca"
+    )
+    wide = tiny_model(tiny_tokenizer())  # float32 already: no advice to load it in float32
+    assert nan_cause(wide, "frozen").endswith("its torch.float32 activations overflow: check the checkpoint")
+    assert nan_cause(wide, "loca").endswith("to overflow: generate without --adapter to compare")

@@ -17,7 +17,6 @@ import argparse
 import logging
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from ..method.adapters import from_pretrained
 from ..models.parts import context_length, load_model
@@ -100,17 +99,22 @@ class NaNLogits(ValueError):
     """A generation step gave NaN logits."""
 
 
-class _RefuseNaN(LogitsProcessor):
-    """Passes the scores through unchanged; raises :class:`NaNLogits` at the first NaN."""
+def refuse_nan():
+    """A logits processor that passes the scores through unchanged and raises
+    :class:`NaNLogits` at the first step whose scores hold a NaN."""
+    from transformers import LogitsProcessor  # imported when generating: `loca` starts fast
 
-    def __init__(self) -> None:
-        self.step = 0
+    class RefuseNaN(LogitsProcessor):
+        def __init__(self) -> None:
+            self.step = 0
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if torch.isnan(scores).any():
-            raise NaNLogits(f"the logits of generated token {self.step + 1} are NaN")
-        self.step += 1
-        return scores
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if torch.isnan(scores).any():
+                raise NaNLogits(f"the logits of generated token {self.step + 1} are NaN")
+            self.step += 1
+            return scores
+
+    return RefuseNaN()
 
 
 def checked_continuation(model, tokenizer, ids: torch.Tensor, max_new_tokens: int, name: str) -> str:
@@ -130,11 +134,15 @@ def nan_cause(model, name: str) -> str:
                     f"its {what} {key} holds NaN/Inf: the checkpoint is damaged (download or save it again)"
                 )
     dtype = next(model.parameters()).dtype
+    wide = dtype not in (torch.float16, torch.bfloat16)
     if name == "loca":
         return (
             f"its weights and the adapter are finite, so the adapter drives the {dtype} activations "
-            "to overflow: try --dtype float32, or generate without --adapter to compare"
+            "to overflow: " + ("" if wide else "try --dtype float32, or ") + "generate without --adapter "
+            "to compare"
         )
+    if wide:
+        return f"its weights are finite but its {dtype} activations overflow: check the checkpoint"
     return f"its weights are finite, so the {dtype} activations overflow: try --dtype float32"
 
 
@@ -142,6 +150,8 @@ def nan_cause(model, name: str) -> str:
 def continuation(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> str:
     """Greedy continuation of ``ids`` (KV cache on), decoded without special tokens; raises
     :class:`NaNLogits` when a step's logits are NaN (greedy decoding would pick token 0)."""
+    from transformers import LogitsProcessorList
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(
         ids,
@@ -150,6 +160,6 @@ def continuation(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> st
         use_cache=True,
         pad_token_id=pad,
         attention_mask=torch.ones_like(ids),
-        logits_processor=LogitsProcessorList([_RefuseNaN()]),
+        logits_processor=LogitsProcessorList([refuse_nan()]),
     )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -174,6 +174,8 @@ class CellStore:
         old, new = cell["key"], jsonable(key)
         if old == new:
             return cell, "reuse"
+        if scope(old) != scope(new):
+            return None, "config"
         if old.get("data_sha256") is not None and old.get("data_sha256") != new.get("data_sha256"):
             return None, "data"
         return None, "config"
