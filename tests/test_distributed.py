@@ -5,13 +5,15 @@ equal to float32 rounding), and only rank 0 writes."""
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import SENTIMENT_TEMPLATE, save_model_and_task, save_tiny_model, write_sentiment_task
+from tiny import SENTIMENT_TEMPLATE, save_model_and_task, save_tiny_model, tiny_cli_args, write_sentiment_task
 
 pytestmark = pytest.mark.integration
 
@@ -227,6 +229,8 @@ def test_compare_under_torchrun_matches_one_process(tmp_path):
             [*argv, *args, "--out", str(tmp_path / out)], env=ENV, capture_output=True, text=True, timeout=600
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
+    launched = json.loads((tmp_path / "two" / "config.json").read_text())["distributed"]
+    assert launched == {"world_size": 2, "backend": "gloo", "devices": ["cpu", "cpu"], "hosts": 1}
     rows = {}
     for out in ("one", "two"):
         for r in json.loads((tmp_path / out / "results.json").read_text())["rows"]:
@@ -329,3 +333,132 @@ def test_a_data_parallel_fit_resumes_to_the_same_result(tmp_path):
     strip = lambda h: [{k: v for k, v in r.items() if k not in ("time_s", "elapsed_s")} for r in h]  # noqa: E731
     assert strip(rh) == strip(wh)
     assert all(torch.equal(a, b) for a, b in zip(rb, wb, strict=True))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _launch(argv: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``argv``; on a timeout (a hang) it and every process below it, torchrun's workers
+    included, are killed and the test fails instead of waiting forever."""
+    proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+        pytest.fail(f"{' '.join(argv[:6])} ...: still running after {timeout} s (a deadlock)")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def test_fewer_batches_than_ranks_never_deadlock(root, tmp_path):
+    """One batch per pass for two ranks (calibration, principal A, Stage II, held-out CE and the
+    test evaluation): rank 1 holds none, takes part in every collective with zero sums, and the
+    run ends with the numbers of one process. Its config.json says how it was run."""
+    sizes = ["--n-train", "8", "--n-heldout", "4", "--n-test", "8", "--batch-size", "16"]
+    sizes += [
+        "--probe-micro-batch",
+        "8",
+        "--probe-positions",
+        "40",
+        "--max-iters",
+        "2",
+        "--a-init",
+        "principal",
+    ]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    results = {}
+    for name, argv in (("one", [sys.executable]), ("two", launch)):
+        out = tmp_path / name
+        argv = [*argv, "-m", "loca", "fit", *tiny_cli_args(root), *sizes, "--quiet", "--out", str(out)]
+        proc = _launch(argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = json.loads((out / "results.json").read_text())
+        results[name + "-config"] = json.loads((out / "config.json").read_text())["distributed"]
+    for part in ("frozen", "loca"):
+        for key, value in results["one"][part].items():
+            assert results["two"][part][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (part, key)
+    assert results["one-config"] == {"world_size": 1, "backend": None, "devices": ["cpu"], "hosts": 1}
+    assert results["two-config"] == {
+        "world_size": 2,
+        "backend": "gloo",
+        "devices": ["cpu", "cpu"],
+        "hosts": 1,
+    }
+
+
+def _different_data_worker(rank: int, world: int, store: str, root: str) -> None:
+    """One rank on its own copy of the task (rank 1's labels flipped, the same ids): a fit and an
+    evaluation, each refused at its start; every rank records the error it got."""
+    import torch.distributed as dist
+
+    from loca import DataConfig, LocaConfig, ModelConfig, Pipeline
+    from loca.eval.evaluation import evaluate
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    pipe = Pipeline(
+        ModelConfig(model=f"{root}/model", device="cpu"),
+        DataConfig(
+            task=f"{root}/task{rank}.jsonl", template=SENTIMENT_TEMPLATE, n_train=8, n_heldout=4, n_test=4
+        ),
+        LocaConfig(rank=4, feedback_rank=4, max_iters=1, probe_positions=40),
+        progress=False,
+    )
+    errors = {}
+    for name, call in (
+        ("fit", lambda: pipe.fit()),
+        (
+            "evaluate",
+            lambda: evaluate(
+                pipe.parts,
+                pipe.tokenizer,
+                pipe.task,
+                pipe.splits.test,
+                max_length=64,
+                batch_size=16,
+                add_eos=True,
+            ),
+        ),
+    ):
+        try:
+            call()
+        except ValueError as exc:
+            errors[name] = str(exc)
+    Path(root, f"errors{rank}.json").write_text(json.dumps(errors))
+    dist.destroy_process_group()
+
+
+def test_ranks_that_read_different_data_are_refused_at_the_start(tmp_path):
+    import torch.multiprocessing as mp
+
+    save_model_and_task(tmp_path, 40)
+    rows = [json.loads(line) for line in (tmp_path / "task.jsonl").read_text().splitlines()]
+    (tmp_path / "task0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flipped = [{**r, "label": 1 - r["label"]} for r in rows]  # same ids, other labels
+    (tmp_path / "task1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in flipped))
+    mp.spawn(_different_data_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):  # both ranks stop with the same error (none waits for the other)
+        errors = json.loads((tmp_path / f"errors{rank}.json").read_text())
+        assert set(errors) == {"fit", "evaluate"}
+        assert errors["fit"].startswith("the ranks see different training, held-out or test data: rank(s) 1")
+        assert errors["evaluate"].startswith("the ranks see different evaluation examples: rank(s) 1")
+        assert "same data files" in errors["fit"]

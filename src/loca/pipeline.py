@@ -311,6 +311,7 @@ class Pipeline:
             "splits": self.splits.record,
             "data_fingerprint": self.data_fingerprint(),
             "device": str(self.parts.device),
+            "distributed": distributed.describe(str(self.parts.device)),
             "fingerprint": fingerprint(self.parts),
             "versions": versions(),
         }

@@ -2,7 +2,10 @@
 
 For each task and seed the splits are drawn once and every method sees the same encoded batches
 (:class:`~loca.compare.methods.CellData`); each finished cell is stored with its full
-configuration (:mod:`loca.compare.store`) and reused only when that configuration matches.
+configuration (:mod:`loca.compare.store`) and reused only when that configuration matches. A
+folder's cells are one comparison: cells of another model, sizes or evaluation settings, and cells
+made from other data that this run would not recompute, are refused before any cell runs unless
+``overwrite`` (then they are deleted once this comparison has finished).
 """
 
 from __future__ import annotations
@@ -15,16 +18,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..config import PRESETS, DataConfig, LocaConfig, ModelConfig, option
-from ..data import get_task, make_batches
+from ..data import get_task, load_splits, make_batches
 from ..infra import distributed
 from ..infra.io import atomic_write_json
 from ..infra.memory import PeakMemory
+from ..infra.runs import RunFolderError
 from ..infra.versions import versions
 from ..models.parts import clamp_max_length, find_parts, fingerprint, load_model
 from ..pipeline import Pipeline
 from .methods import DEFAULT_METHODS, METHODS, VARIANT, CellData, Context, MethodConfigs, get_method
 from .report import write_report
-from .store import CellStore, digest
+from .store import CellStore, digest, scope, scope_difference
 
 DEFAULT_TASKS = ["sst2", "boolq", "arc_easy", "obqa", "hellaswag"]
 
@@ -125,12 +129,19 @@ def run_compare(
     model: ModelConfig,
     out: str | Path,
     data_dir: str | None = None,
+    overwrite: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Run (or reuse) every cell, then write ``results.json``, ``results.csv``, ``table.md`` and
-    the plots under ``out``. Returns the report (see :func:`loca.compare.report.write_report`)."""
+    the plots under ``out``. Returns the report (see :func:`loca.compare.report.write_report`).
+
+    Cells in ``out`` of another comparison (:data:`~.store.SCOPE`), or made from data that has
+    changed since and that this run would not recompute, are refused before any cell runs
+    (``RunFolderError``) unless ``overwrite``; then they are deleted once every cell of this run
+    has finished. The caller holds ``out``'s lock (:class:`loca.infra.runs.RunLock`)."""
     out = Path(out)
     store = CellStore(out)
+    stored = store.stored()  # a file that is not a cell is an error naming it, before the model loads
     start = time.perf_counter()
     tasks = [get_task(t) for t in settings.tasks]
     model_obj, tokenizer = load_model(
@@ -168,24 +179,12 @@ def run_compare(
     main = distributed.is_main()  # under torchrun: rank 0 writes and logs, every rank computes
     if not main:
         log = _silent
-    if main:
-        atomic_write_json(
-            out / "config.json",
-            {
-                "command": "compare",
-                "model": model.to_dict(),
-                "data_dir": data_dir,
-                "device": str(parts.device),
-                "settings": asdict(settings),
-                **configs.to_dict(),
-                **base,
-                "world_size": distributed.world_size(),
-            },
-        )
-    counts = {"reused": 0, "run": 0}
-    for task in tasks:
+    methods = _ordered(settings.methods, settings.variants())
+    pipelines: dict[tuple[str, int], Pipeline] = {}
+    data_sha: dict[tuple[str, int], dict] = {}
+    for task in tasks:  # every cell's data first: degenerate data is warned about here
         for seed in settings.seeds:
-            pipeline = Pipeline(
+            pipeline = pipelines[(task.name, seed)] = Pipeline(
                 model,
                 DataConfig(
                     task.name,
@@ -199,26 +198,65 @@ def run_compare(
                 model_object=model_obj,
                 tokenizer=tokenizer,
             )
-            splits = pipeline.splits  # degenerate data is warned about here
+            data_sha[(task.name, seed)] = pipeline.splits.content_sha256()
+            distributed.check_same(
+                f"data of task {task.name} seed {seed}", digest(data_sha[(task.name, seed)])
+            )
+    plan = {(t.name, seed, m) for t in tasks for seed in settings.seeds for m in methods}
+    replaced = _check_stored(out, stored, base, data_sha, plan, settings, data_dir, overwrite)
+    if replaced:
+        log(
+            f"--overwrite: {len(replaced)} cell(s) in {out} of another comparison or of other data "
+            "are deleted once this comparison has finished"
+        )
+    if main:
+        atomic_write_json(
+            out / "config.json",
+            {
+                "command": "compare",
+                "model": model.to_dict(),
+                "data_dir": data_dir,
+                "device": str(parts.device),
+                "settings": asdict(settings),
+                **configs.to_dict(),
+                **base,
+                "world_size": distributed.world_size(),
+                "distributed": distributed.describe(str(parts.device)),
+            },
+        )
+    counts = {"reused": 0, "run": 0}
+    saved: set[Path] = set()
+    for task in tasks:
+        for seed in settings.seeds:
+            pipeline = pipelines.pop((task.name, seed))  # its encoded batches go with the cell
             cell_base = {
                 **base,
                 "task": task.describe(),
                 "seed": seed,
-                "splits_sha256": digest(splits.record),
+                "splits_sha256": digest(pipeline.splits.record),
+                "data_sha256": data_sha[(task.name, seed)],
             }
             data: CellData | None = None
             frozen_ce: float | None = None
             loca_wall: float | None = None
-            for method in _ordered(settings.methods, settings.variants()):
+            changed = False
+            for method in methods:
                 mcfg = _method_config(method, configs, settings, seed, loca_wall)
                 key = {**cell_base, "method": method, "config": mcfg}
-                cell = store.load(task.name, seed, method, key)
+                cell, why = store.lookup(task.name, seed, method, key)
+                if why == "data" and not changed:
+                    changed = True
+                    log(
+                        f"{task.name} seed {seed}: the data changed since its cells were made (the same "
+                        "examples by id, other content): recomputing them"
+                    )
                 if cell is None:
                     if data is None:
                         data = _prepare(pipeline, settings)
                     cell = _run_cell(data, method, mcfg)
                     if main:
                         store.save(task.name, seed, method, key, cell)
+                        saved.add(store.path(task.name, seed, method))
                     counts["run"] += 1
                     log(
                         f"{task.name} seed {seed} {method}: test CE {cell['test']['test_ce']:.4f}, "
@@ -239,8 +277,77 @@ def run_compare(
                 if method == "loca":  # MeZO's 'auto' budget: rank 0's clock, the same key everywhere
                     loca_wall = distributed.from_main(fit["wall_time_s"])
     log(f"cells: {counts['run']} run, {counts['reused']} reused ({time.perf_counter() - start:.0f} s)")
+    if main and replaced:
+        gone = [path for path in replaced if path not in saved]
+        for path in gone:
+            path.unlink(missing_ok=True)
+        for folder in sorted({p.parent for p in gone} | {p.parent.parent for p in gone}, reverse=True):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        log(f"--overwrite: deleted {len(gone)} cell(s) of another comparison or of other data")
     distributed.barrier()
-    return write_report(out, store.all_cells()) if main else {}
+    return write_report(out, store.report_cells()) if main else {}
+
+
+def _check_stored(
+    out: Path,
+    stored: list[tuple[Path, dict]],
+    base: dict,
+    data_sha: dict[tuple[str, int], dict],
+    plan: set[tuple[str, int, str]],
+    settings: CompareSettings,
+    data_dir: str | None,
+    overwrite: bool,
+) -> list[Path]:
+    """The stored cells this comparison may not mix with: cells of another scope (model, sizes,
+    evaluation settings), and cells of this run's tasks made from other data than the task's files
+    hold now that this run does not recompute (another seed or method). Raises
+    :class:`RunFolderError` naming one and what to do, unless ``overwrite``: then returns their
+    paths (to delete once this comparison has finished)."""
+    ours = scope(base)
+    foreign = [(path, cell) for path, cell in stored if scope(cell["key"]) != ours]
+    names = {task for task, _ in data_sha}
+    stale = []
+    for path, cell in stored:
+        old = cell["key"].get("data_sha256")
+        where = (cell["task"], cell["seed"])
+        if old is None or cell["task"] not in names or (*where, cell["method"]) in plan:
+            continue  # an older cell, another task, or a cell this run recomputes if it must
+        if scope(cell["key"]) != ours:
+            continue
+        if where not in data_sha:  # a seed this run does not draw: its data as the files hold it now
+            try:
+                splits = load_splits(
+                    cell["task"],
+                    n_train=settings.n_train,
+                    n_heldout=settings.n_heldout,
+                    n_test=settings.n_test,
+                    seed=cell["seed"],
+                    data_dir=data_dir,
+                )
+                data_sha[where] = splits.content_sha256()
+            except (ValueError, OSError):  # the files cannot make this cell's splits any more
+                data_sha[where] = {}
+        if old != data_sha[where]:
+            stale.append((path, cell))
+    if overwrite:
+        return [path for path, _ in foreign + stale]
+    if foreign:
+        path, cell = foreign[0]
+        raise RunFolderError(
+            f"--out {out} holds {len(foreign)} cell(s) of another comparison "
+            f"({scope_difference(ours, scope(cell['key']))}; e.g. {path.relative_to(out)}): choose "
+            "another --out, or pass --overwrite to replace them (deleted once this comparison has finished)"
+        )
+    if stale:
+        path, cell = stale[0]
+        raise RunFolderError(
+            f"--out {out} holds {len(stale)} cell(s) made from other data than the task's files hold "
+            f"now (the same examples by id, other content; e.g. {path.relative_to(out)}) that this run "
+            "would not recompute: add their seeds and methods to this run, or pass --overwrite to "
+            "delete them once this comparison has finished"
+        )
+    return []
 
 
 def _silent(message: str) -> None:

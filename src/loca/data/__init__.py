@@ -10,7 +10,7 @@ from .sources import (
     load_local,
     load_task_split,
 )
-from .splits import Splits, degenerate_warnings, load_splits, load_test
+from .splits import Splits, content_sha256, degenerate_warnings, load_splits, load_test
 from .tasks import TASKS, Grouping, HubSpec, Task, TemplateError, get_task
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "Task",
     "TemplateError",
     "TruncationError",
+    "content_sha256",
     "encode",
     "encode_choices",
     "encode_examples",

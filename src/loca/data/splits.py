@@ -22,12 +22,15 @@ Policy (see ``docs/tasks.md``):
   so ``loca evaluate`` with the same seed sees the same test set as a fit.
 
 Permutations order indices by ``sha256(f"{purpose}:{seed}:{index}")``: reproducible on any
-platform and Python/NumPy version. Every index and id used is recorded in ``Splits.record``.
+platform and Python/NumPy version. Every index and id used is recorded in ``Splits.record``;
+what the examples say (not only which ones they are) is hashed by :func:`content_sha256`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +53,19 @@ def permutation(n: int, seed: int, purpose: str) -> list[int]:
         return hashlib.sha256(f"{purpose}:{seed}:{i}".encode()).digest()
 
     return sorted(range(n), key=key)
+
+
+def content_sha256(examples: Iterable[Example]) -> str:
+    """sha256 of what ``examples`` say, in order: id, question, passage, choices and label of each.
+    Two loads of a file agree on it exactly when every example is the same, so it tells a file
+    edited under the same ids (labels flipped, a question reworded) from the one a result was made
+    from, which the ids and indices of ``Splits.record`` cannot."""
+    h = hashlib.sha256()
+    for ex in examples:
+        row = [ex.id, ex.question, ex.passage, list(ex.choices), ex.label]
+        h.update(json.dumps(row, ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()
 
 
 def group_ids(task: Task, examples: list[Example]) -> list[int] | None:
@@ -104,6 +120,14 @@ class Splits:
     heldout: list[Example]
     test: list[Example]
     record: dict = field(default_factory=dict)
+
+    def content_sha256(self) -> dict[str, str]:
+        """:func:`content_sha256` of the train, held-out and test examples."""
+        return {
+            "train": content_sha256(self.train),
+            "heldout": content_sha256(self.heldout),
+            "test": content_sha256(self.test),
+        }
 
 
 def degenerate_warnings(splits: Splits) -> list[str]:

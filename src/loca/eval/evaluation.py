@@ -52,11 +52,14 @@ def completion_ce(parts: ModelParts, batches: Sequence[Batch], graphs: Replays |
     return reduce_ce(ce)
 
 
-def reduce_ce(ce: TokenCE) -> TokenCE:
-    """``ce`` summed over the ranks (per-example sums merged: each example lives on one rank)."""
+def reduce_ce(ce: TokenCE, per_example: bool = False) -> TokenCE:
+    """``ce`` summed over the ranks; with ``per_example`` (sums kept per example, by
+    :meth:`TokenCE.add` with sources) the per-example sums are merged too: each example lives on
+    one rank. Every rank must pass the same ``per_example`` (a rank with no batch has none of
+    its own), or the ranks would wait in different collectives."""
     if not distributed.active():
         return ce
-    if not ce.per_example:
+    if not per_example:
         sums = distributed.all_reduce_numbers([ce.total, ce.tokens, ce.total_no_eos, ce.tokens_no_eos])
         return TokenCE(sums[0], int(sums[1]), sums[2], int(sums[3]))
     out = TokenCE()
@@ -109,7 +112,7 @@ def score_choices(
         for part in distributed.gather_objects(out):
             scores.update(part)
         out = scores
-    return out, reduce_ce(ce)
+    return out, reduce_ce(ce, per_example=labels is not None)
 
 
 def evaluate(
@@ -142,10 +145,12 @@ def evaluate(
     """
     from ..data.batching import make_batches, pad_token_id, padding_fraction
     from ..data.encoding import count_truncated, encode_choices
+    from ..data.splits import content_sha256
 
     examples = list(examples)
     if not examples:
         raise ValueError("no examples to evaluate")
+    distributed.check_same("evaluation examples", content_sha256(examples))
     labels = [ex.label for ex in examples]
     # One sequence per (example, choice); the gold one carries EOS when add_eos, so its pass
     # gives both the CE and the gold choice's score (the EOS loss is left out of the score).

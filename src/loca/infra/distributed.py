@@ -5,11 +5,16 @@ Stage II statistics (r² + k·r numbers per block), CE sums and token counts, th
 sketches. Calibration gathers the probe's errors and gradients in the single-process order, so
 the maps are those of one process. Only rank 0 writes files and shows progress.
 
+A rank may hold no batch of a pass (fewer batches than ranks): it still takes part in every
+collective, with zero sums. Ranks exchange a hash of their data at the start of a run
+(:func:`check_same`), and :func:`describe` says how a run was launched, for its ``config.json``.
+
 Without an initialised process group every function is the identity (one process)."""
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TypeVar
@@ -18,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+
+_MEMBERS: list[dict] = []  # every rank's host and device, gathered when init_from_env joins
 
 
 def active() -> bool:
@@ -113,6 +120,46 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast_from_main(obj: T) -> T:
+    """Rank 0's ``obj`` on every rank (pickled), e.g. an error only rank 0 could see."""
+    if not active():
+        return obj
+    box = [obj if is_main() else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_same(what: str, value: str) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks hold different ``value``s (a
+    hash of what each rank read): data parallelism needs every rank to see the same data, and a
+    rank that differs would otherwise only show at evaluation, or never."""
+    if not active():
+        return
+    values = gather_objects(value)
+    differ = [r for r, v in enumerate(values) if v != values[0]]
+    if differ:
+        raise ValueError(
+            f"the ranks see different {what}: rank(s) {', '.join(map(str, differ))} differ from rank 0 "
+            f"(hash {str(values[differ[0]])[:12]} vs {str(values[0])[:12]}); every rank must read the "
+            "same data files and settings (check --data-dir, --task and the files on every machine)"
+        )
+
+
+def describe(device: str) -> dict:
+    """How this run was launched, for its ``config.json``: the number of processes, the
+    ``torch.distributed`` backend (None for one process) and every rank's device (``device``:
+    this process's, used when there is one process) and how many hosts they ran on."""
+    if not active():
+        return {"world_size": 1, "backend": None, "devices": [device], "hosts": 1}
+    members = _MEMBERS if len(_MEMBERS) == world_size() else []
+    return {
+        "world_size": world_size(),
+        "backend": str(dist.get_backend()),
+        "devices": [m["device"] for m in members] or None,  # None: the group was not joined here
+        "hosts": len({m["host"] for m in members}) or None,
+    }
+
+
 def init_from_env(device: str = "auto") -> str:
     """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment) and
     return the device this rank uses: ``cuda:LOCAL_RANK`` with NCCL when CUDA is there and
@@ -124,7 +171,9 @@ def init_from_env(device: str = "auto") -> str:
     if use_cuda:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
-    return f"cuda:{local}" if use_cuda else ("cpu" if device == "auto" else device)
+    mine = f"cuda:{local}" if use_cuda else ("cpu" if device == "auto" else device)
+    _MEMBERS[:] = gather_objects({"host": socket.gethostname(), "device": mine})
+    return mine
 
 
 def local_device(device: str) -> str:

@@ -5,18 +5,23 @@ A run folder carries a marker naming the command that made it. A command writes 
 only if it is new or empty, or a run folder of the same command that may be continued
 (``resumable``, e.g. ``loca compare``) or replaced (``--overwrite``). ``--overwrite`` also lets a
 command write its own files into a folder that holds other files; nothing there is deleted.
-A model folder is never written to.
+A model folder is never written to. A command that continues its folder (``loca compare``)
+holds :class:`RunLock` on it while it runs, so a second process on the same folder is refused.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import socket
 from pathlib import Path
 
 from .io import atomic_write_json
 
 MARKER = ".loca-run.json"
+LOCK = ".loca-lock"
 
 
 class RunFolderError(ValueError):
@@ -76,8 +81,8 @@ def prepare_run_dir(
     if out.exists() and not out.is_dir():
         raise RunFolderError(f"--out {out} exists and is not a folder")
     refuse_model_folder(out, model)
-    # a folder holding only the marker is a run that failed before writing anything
-    if out.is_dir() and any(p.name != MARKER for p in out.iterdir()):
+    # a folder holding only the marker (and lock file) is a run that failed before writing anything
+    if out.is_dir() and any(p.name not in (MARKER, LOCK) for p in out.iterdir()):
         found = run_command(out)
         if found == command and resumable:
             pass
@@ -108,6 +113,62 @@ def prepare_run_dir(
     except OSError as exc:
         raise RunFolderError(f"cannot write to --out {out}: {exc.strerror or exc}") from exc
     return out
+
+
+class RunLock:
+    """An exclusive lock on a run folder (``fcntl.flock`` on its ``.loca-lock`` file) for one
+    process: a second one gets :class:`RunFolderError` at once, naming the process that holds it.
+    Released by :meth:`release` (or leaving the ``with`` body), and by the kernel when the process
+    ends in any way, SIGKILL included: a killed run never leaves a stale lock. The lock file stays
+    (removing it would let two processes lock two different files)."""
+
+    def __init__(self, out: str | Path, command: str):
+        self.path = Path(out) / LOCK
+        self.command = command
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise RunFolderError(f"cannot lock --out {self.path.parent}: {exc.strerror or exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _holder(fd)
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunFolderError(f"cannot lock --out {self.path.parent}: {exc.strerror or exc}") from exc
+            raise RunFolderError(
+                f"--out {self.path.parent} is in use by another `loca {self.command}` ({holder}); wait "
+                "for it to finish, or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file releases the lock
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> str:
+    """Who holds a lock, as its file says."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0))
+        return f"process {int(info['pid'])} on {info['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
 
 
 def require_finite(metrics: dict, what: str) -> None:

@@ -4,6 +4,8 @@ fit, reporting to a writer as it goes. :class:`loca.pipeline.Pipeline`, ``loca c
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -14,6 +16,7 @@ import torch
 
 from ..config import LocaConfig
 from ..data.batching import Batch
+from ..infra import distributed
 from ..models.parts import ModelParts
 from .adapters import ResidualAdapters
 from .calibrate import Calibrator
@@ -72,6 +75,7 @@ def calibrate_maps(
     the next probe is taken, so the maps also fit the errors that remain once the first steps have
     been taken. The adapters are removed again: Stage II starts from B = 0. ``meta`` is recorded
     in the maps' metadata, with the calibration time."""
+    check_same_data(train, heldout, meta)
     t0 = time.perf_counter()
     rounds = cfg.calibration_rounds
     if rounds > 1:
@@ -122,7 +126,9 @@ def run_loca(
     start = time.perf_counter()
     calibrated = maps is None
     if calibrated:
-        maps = calibrate_maps(calibrator, train, heldout, cfg, meta)
+        maps = calibrate_maps(calibrator, train, heldout, cfg, meta)  # checks the data first
+    else:
+        check_same_data(train, heldout, meta)
     calibration_s = time.perf_counter() - start
     writer.maps(maps, calibrated)
     forward_only = not (cfg.recalibrate_every or cfg.alignment_every)
@@ -141,6 +147,22 @@ def run_loca(
             progress=progress,
         )
     return LocaRun(maps, result, calibration_s, time.perf_counter() - start)
+
+
+def check_same_data(train: Sequence[Batch], heldout: Sequence[Batch], meta: dict | None = None) -> None:
+    """Data parallel: refuse, on every rank, to start when the ranks' training or held-out
+    sequences, or the test examples their split record names, differ (a hash is exchanged)."""
+    if not distributed.active():
+        return
+    h = hashlib.sha256()
+    test = ((meta or {}).get("splits") or {}).get("test") or {}
+    h.update(json.dumps([test.get("ids"), test.get("indices")]).encode())
+    for batches in (train, heldout):
+        h.update(b"|")
+        for batch in batches:
+            for it in batch.items:
+                h.update(repr((it.prompt, it.completion, it.has_eos)).encode())
+    distributed.check_same("training, held-out or test data", h.hexdigest())
 
 
 def _range(xs: list[float]) -> str:
