@@ -17,7 +17,7 @@ import torch
 
 from ..method.adapters import from_pretrained
 from ..models.parts import load_model
-from .args import add_model_args, add_output_args, model_config_from_args
+from .args import adapter_config, add_model_args, add_output_args, model_from_adapter
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,13 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
-    m = model_config_from_args(args)
+    m, revision = model_from_adapter(args, adapter_config(args))  # the adapter's base model
     model, tokenizer = load_model(
         m.model,
         device=m.device,
         dtype=m.dtype,
         random_init=m.random_init,
         trust_remote_code=m.trust_remote_code,
+        revision=revision,
     )
     text = args.prompt
     if args.chat:
