@@ -119,11 +119,15 @@ def test_bad_data_is_a_clear_error(setup, tmp_path, capsys):
     assert "bad.jsonl" in err and "label" in err
 
 
-def test_bench_writes_one_row_per_phase(setup):
+def test_bench_writes_one_row_per_phase(setup, capsys):
     root, common = setup
     out = root / "bench"
     args = ["bench", *common, "--n-train", "8", "--phases", "forward,calibrate,stage2", "--repeats", "1"]
+    capsys.readouterr()
     assert main([*args, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out  # a table of sizes, not a Python dict
+    assert "{" not in printed and "Stage II statistics (float64, r² + k·r per block)" in printed
+    assert "512 B  (512 bytes)" in printed  # 2 blocks × (4·4 + 4·4) × 8 bytes
     report = json.loads((out / "bench.json").read_text())
     assert [r["phase"] for r in report["rows"]] == ["forward", "calibrate", "stage2"]
     for row in report["rows"]:
