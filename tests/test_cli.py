@@ -261,3 +261,17 @@ def test_an_adapter_brings_its_base_model_and_task(setup, tmp_path, monkeypatch,
     (out / "adapter" / "loca_adapter.json").write_text(json.dumps(legacy))
     assert main(["evaluate", *adapter, "--out", "ev3", "--quiet"]) == 2
     assert "does not record its task file (it was fitted on the user task 'task')" in capsys.readouterr().err
+
+
+def test_version_and_a_bad_flag_shows_its_subcommands_usage(capsys):
+    from loca import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"loca {__version__}"
+    for command in ("fit", "evaluate", "tasks"):
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--out", "x", "--bogus"] if command != "tasks" else [command, "--bogus"])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2
+        assert err.startswith(f"usage: loca {command} ") and f"loca {command}: error: unrecognized" in err
