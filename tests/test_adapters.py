@@ -226,3 +226,33 @@ def test_load_adapted_loads_the_base_model_the_adapter_records(tmp_path, monkeyp
     (tmp_path / "ad" / "loca_adapter.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="does not record its base model"):
         loca.load_adapted(tmp_path / "ad", device="cpu")
+
+
+def test_an_adapter_of_an_alias_records_and_loads_the_alias(tmp_path, monkeypatch):
+    """A model loaded from a built-in alias's folder is recorded by the alias (not the cache
+    path), and ``load_adapted`` asks ``load_model`` for the alias."""
+    import loca
+    import loca.method.adapters as adapters_module
+    from loca.models.zoo import alias_dir
+
+    monkeypatch.setenv("LOCA_HOME", str(tmp_path / "home"))
+    folder = save_tiny_model(alias_dir("smollm2-135m-instruct"))
+    model, tokenizer = loca.load_model(str(folder), device="cpu")
+    ad = ResidualAdapters(find_parts(model), rank=4)
+    assert ad.config()["base_model"] == "smollm2-135m-instruct" and ad.config()["base_model_path"] is None
+    ad.save_pretrained(tmp_path / "ad")
+    asked = []
+
+    def fake_load_model(name, **kwargs):
+        asked.append((name, kwargs))
+        return model, tokenizer
+
+    monkeypatch.setattr(adapters_module, "load_model", fake_load_model)
+    _, _, attached = loca.load_adapted(tmp_path / "ad", device="cpu")
+    assert asked == [("smollm2-135m-instruct", {"revision": None, "device": "cpu"})] and attached.attached
+    attached.unload()
+    cfg = json.loads((tmp_path / "ad" / "loca_adapter.json").read_text())  # a hub id at a commit
+    cfg.update(base_model="org/model", base_model_revision="0123abc")
+    (tmp_path / "ad" / "loca_adapter.json").write_text(json.dumps(cfg))
+    loca.load_adapted(tmp_path / "ad", device="cpu")[2].unload()
+    assert asked[-1] == ("org/model", {"revision": "0123abc", "device": "cpu"})
