@@ -255,10 +255,14 @@ def sections_from_args(
     return model_config_from_args(args), data, config_from_args(args)
 
 
-def pipeline_from_args(args: argparse.Namespace, **data_defaults) -> Pipeline:
-    """The run the flags describe (nothing loaded yet)."""
-    model, data, cfg = sections_from_args(args, **data_defaults)
-    return Pipeline(model, data, cfg, progress=not getattr(args, "quiet", False))
+def pipeline_from_args(args: argparse.Namespace, adapter: dict | None = None, **data_defaults) -> Pipeline:
+    """The run the flags describe (nothing loaded yet). ``adapter``: an adapter folder's config,
+    whose base model (at its revision) is loaded unless the model is named
+    (:func:`model_from_adapter`)."""
+    model, revision = model_from_adapter(args, adapter)
+    data = resolve_section(args, "data", **data_defaults)
+    cfg = config_from_args(args)
+    return Pipeline(model, data, cfg, progress=not getattr(args, "quiet", False), revision=revision)
 
 
 def given(args: argparse.Namespace, section: str, name: str) -> bool:

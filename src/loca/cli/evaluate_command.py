@@ -27,17 +27,14 @@ from ..infra.io import atomic_write_json
 from ..infra.runs import prepare_run_dir, require_finite, undefined_as_none
 from ..infra.versions import versions
 from ..models.parts import fingerprint
-from ..pipeline import Pipeline
 from .args import (
     adapter_config,
     add_dataclass_args,
     add_model_args,
     add_output_args,
-    config_from_args,
     data_from_adapter,
     given,
-    model_from_adapter,
-    resolve_section,
+    pipeline_from_args,
     warn,
 )
 
@@ -75,21 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     record = adapter_config(args)  # the adapter's base model, task, template and EOS setting
-    model, revision = model_from_adapter(args, record)
     data_defaults, add_eos = data_from_adapter(args, record) if record else ({}, None)
-    pipeline = Pipeline(
-        model,
-        resolve_section(args, "data", n_test=0, **data_defaults),
-        config_from_args(args),
-        progress=not args.quiet,
-        revision=revision,
-    )
+    pipeline = pipeline_from_args(args, record, n_test=0, **data_defaults)
     if not hasattr(args, "add_eos"):
         pipeline.cfg = replace(pipeline.cfg, add_eos=pipeline.task.add_eos if add_eos is None else add_eos)
     if record is not None:  # say what came from the adapter
         recorded = lambda section, name: "" if given(args, section, name) else " (the adapter's)"  # noqa: E731
         log.info(
-            f"base model {model.model}{recorded('model', 'model')}, task {pipeline.task.name}"
+            f"base model {pipeline.model_config.model}{recorded('model', 'model')}, task {pipeline.task.name}"
             f"{recorded('data', 'task')}"
         )
     prepare_run_dir(
