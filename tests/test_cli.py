@@ -275,3 +275,21 @@ def test_version_and_a_bad_flag_shows_its_subcommands_usage(capsys):
         err = capsys.readouterr().err
         assert exited.value.code == 2
         assert err.startswith(f"usage: loca {command} ") and f"loca {command}: error: unrecognized" in err
+
+
+def test_an_adapters_task_is_a_default_below_the_flags():
+    """What an adapter records of its task, under the flags: another built-in --task brings its
+    own template and EOS setting, a --task FILE keeps the adapter's; a recorded template is taken
+    as it was (a backslash in it is not read as an escape)."""
+    import argparse
+
+    from loca.cli.args import data_from_adapter
+    from loca.data import get_task
+
+    template = "Q: {question}\\tA\n:"  # a literal backslash-t, and a newline
+    record = {"task_source": "sst2", "task_path": None, "template": template, "add_eos": False}
+    defaults, add_eos = data_from_adapter(argparse.Namespace(adapter="ad"), record)
+    assert get_task(defaults["task"], defaults["template"]).template == template and add_eos is False
+    assert data_from_adapter(argparse.Namespace(adapter="ad", task="boolq"), record) == ({}, None)
+    defaults, add_eos = data_from_adapter(argparse.Namespace(adapter="ad", task="other.jsonl"), record)
+    assert defaults["task"] == "sst2" and add_eos is False  # the --task flag wins over this default

@@ -309,7 +309,10 @@ def data_from_adapter(args: argparse.Namespace, config: dict) -> tuple[dict, boo
         task = getattr(args, "task", None) or _file_sections(args)["data"]["task"]
         if task in TASKS and task != record.get("task"):
             return {}, None
-    return {k: record[k] for k in ("task", "template") if k in record}, record.get("add_eos")
+    defaults = {k: record[k] for k in ("task", "template") if k in record}
+    if "template" in defaults:  # as a flag would give it: a backslash in it stays one
+        defaults["template"] = defaults["template"].replace("\\", "\\\\")
+    return defaults, record.get("add_eos")
 
 
 def given_loca_flags(args: argparse.Namespace) -> set[str]:
