@@ -1,12 +1,15 @@
 """Residual adapters: identities, hooks, seeds, state, save/load and the checkpoint guard."""
 
+import json
+
 import pytest
 import torch
-from tiny import sequences, tiny_parts
+from tiny import save_tiny_model, sequences, tiny_model, tiny_parts, tiny_tokenizer
 
 from loca.data.batching import make_batches
 from loca.method.adapters import ResidualAdapters, adapter_a
-from loca.method.artefacts import CheckpointMismatchError
+from loca.method.artefacts import BASE_KEYS, CheckpointMismatchError, source_record
+from loca.models.parts import find_parts
 
 pytestmark = pytest.mark.unit
 
@@ -120,7 +123,6 @@ def test_zero_b_is_skipped_without_testing_values_in_the_forward(monkeypatch):
 
 
 def test_adapter_files_are_locas_own_and_legacy_folders_still_load(tmp_path):
-    import json
     import os
 
     _, parts = tiny_parts()
@@ -191,3 +193,66 @@ def test_recorder_codes_and_norms_are_those_of_the_gathered_rows(budget_mb):
     out_of_order.record(1, inputs[1])
     with pytest.raises(RuntimeError, match="forward order"):
         out_of_order.codes_and_norms(cpu)
+
+
+def test_load_adapted_loads_the_base_model_the_adapter_records(tmp_path, monkeypatch):
+    """``loca.load_adapted(DIR)``: the recorded base model (a relative path as named, found from
+    another working directory through its absolute path), with the adapters attached; another
+    ``model=`` is refused naming the one it was fitted on."""
+    import loca
+    from loca.method.adapters import base_model_record
+
+    save_tiny_model(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    model, tokenizer = loca.load_model("base", device="cpu")
+    ad = ResidualAdapters(find_parts(model), rank=4)
+    ad.set_b([torch.randn_like(b) for b in ad.B])
+    ad.save_pretrained(tmp_path / "ad", extra=source_record("base", BASE_KEYS))
+    assert base_model_record(model)["base_model_path"] == str(tmp_path / "base")
+    monkeypatch.chdir(tmp_path / "ad")  # "base" does not exist from here
+    loaded, tok, adapters = loca.load_adapted(tmp_path / "ad", device="cpu")
+    assert adapters.attached and len(tok) == len(tokenizer)
+    assert all(torch.equal(x, y) for x, y in zip(adapters.get_b(), ad.get_b(), strict=True))
+    ids = torch.tensor([[3, 7, 9, 4]])
+    with torch.no_grad(), ad:  # the same adapters on the model loaded by hand
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    other = tmp_path / "other"
+    tiny_model(tiny_tokenizer(), seed=1).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    with pytest.raises(CheckpointMismatchError, match="fitted on base"):
+        loca.load_adapted(tmp_path / "ad", model=str(other), device="cpu")
+    cfg = json.loads((tmp_path / "ad" / "loca_adapter.json").read_text())
+    cfg["base_model"] = None
+    (tmp_path / "ad" / "loca_adapter.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not record its base model"):
+        loca.load_adapted(tmp_path / "ad", device="cpu")
+
+
+def test_an_adapter_of_an_alias_records_and_loads_the_alias(tmp_path, monkeypatch):
+    """A model loaded from a built-in alias's folder is recorded by the alias (not the cache
+    path), and ``load_adapted`` asks ``load_model`` for the alias."""
+    import loca
+    import loca.method.adapters as adapters_module
+    from loca.models.zoo import alias_dir
+
+    monkeypatch.setenv("LOCA_HOME", str(tmp_path / "home"))
+    folder = save_tiny_model(alias_dir("smollm2-135m-instruct"))
+    model, tokenizer = loca.load_model(str(folder), device="cpu")
+    ad = ResidualAdapters(find_parts(model), rank=4)
+    assert ad.config()["base_model"] == "smollm2-135m-instruct" and ad.config()["base_model_path"] is None
+    ad.save_pretrained(tmp_path / "ad")
+    asked = []
+
+    def fake_load_model(name, **kwargs):
+        asked.append((name, kwargs))
+        return model, tokenizer
+
+    monkeypatch.setattr(adapters_module, "load_model", fake_load_model)
+    _, _, attached = loca.load_adapted(tmp_path / "ad", device="cpu")
+    assert asked == [("smollm2-135m-instruct", {"revision": None, "device": "cpu"})] and attached.attached
+    attached.unload()
+    cfg = json.loads((tmp_path / "ad" / "loca_adapter.json").read_text())  # a hub id at a commit
+    cfg.update(base_model="org/model", base_model_revision="0123abc")
+    (tmp_path / "ad" / "loca_adapter.json").write_text(json.dumps(cfg))
+    loca.load_adapted(tmp_path / "ad", device="cpu")[2].unload()
+    assert asked[-1] == ("org/model", {"revision": "0123abc", "device": "cpu"})

@@ -119,11 +119,15 @@ def test_bad_data_is_a_clear_error(setup, tmp_path, capsys):
     assert "bad.jsonl" in err and "label" in err
 
 
-def test_bench_writes_one_row_per_phase(setup):
+def test_bench_writes_one_row_per_phase(setup, capsys):
     root, common = setup
     out = root / "bench"
     args = ["bench", *common, "--n-train", "8", "--phases", "forward,calibrate,stage2", "--repeats", "1"]
+    capsys.readouterr()
     assert main([*args, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out  # a table of sizes, not a Python dict
+    assert "{" not in printed and "Stage II statistics (float64, r² + k·r per block)" in printed
+    assert "512 B  (512 bytes)" in printed  # 2 blocks × (4·4 + 4·4) × 8 bytes
     report = json.loads((out / "bench.json").read_text())
     assert [r["phase"] for r in report["rows"]] == ["forward", "calibrate", "stage2"]
     for row in report["rows"]:
@@ -211,3 +215,81 @@ def test_allowed_values_are_checked_from_flags_and_config_files_alike(tmp_path, 
     assert main(["fit", "--config", str(tmp_path / "c.json"), "--out", str(tmp_path / "o")]) == 2
     assert "step_control='sgd' (choose from fixed, adaptive)" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_adapter_brings_its_base_model_and_task(setup, tmp_path, monkeypatch, capsys):
+    """A fit's adapter records the base model and task as named (relative paths here) with the
+    template and EOS setting; `generate` and `evaluate --adapter` then need neither --model nor
+    --task, from any working directory; flags given still win; an adapter that does not record
+    its user task's file is an error, not a silent SST-2 evaluation."""
+    root, common = setup
+    monkeypatch.chdir(root)
+    out = root / "self-describing"
+    data = ["--n-train", "16", "--n-heldout", "8", "--n-test", "10", "--max-iters", "2", "--quiet"]
+    flags = ["--model", "model", "--task", "task.jsonl", *common[4:]]
+    assert main(["fit", *flags, *data, "--out", str(out)]) == 0
+    cfg = json.loads((out / "adapter" / "loca_adapter.json").read_text())
+    assert (cfg["base_model"], cfg["base_model_path"]) == ("model", str(root / "model"))
+    task = (cfg["task"], cfg["task_source"], cfg["task_path"])
+    assert task == ("task", "task.jsonl", str(root / "task.jsonl"))
+    assert cfg["template"] == TEMPLATE and cfg["add_eos"] is True
+    assert "task.jsonl" in (out / "adapter" / "README.md").read_text()
+    monkeypatch.chdir(tmp_path)  # neither "model" nor "task.jsonl" exists from here
+    adapter = ["--adapter", str(out / "adapter"), "--device", "cpu"]
+    prompt = ["--prompt", "Review: a charming journey", "--max-new-tokens", "5"]
+    capsys.readouterr()
+    assert main(["generate", *adapter, *prompt]) == 0
+    recorded = capsys.readouterr().out
+    assert main(["generate", *adapter, *prompt, "--model", str(root / "model")]) == 0
+    assert capsys.readouterr().out == recorded and recorded.startswith("[loca] ")
+    assert main(["evaluate", *adapter, "--n-test", "10", "--out", "ev", "--quiet"]) == 0
+    got = json.loads((tmp_path / "ev" / "results.json").read_text())
+    want = json.loads((out / "results.json").read_text())["loca"]
+    assert got["task"]["template"] == TEMPLATE and got["settings"]["add_eos"] is True
+    assert got["test_ce"] == pytest.approx(want["test_ce"], rel=1e-6)
+    # flags win: another model is refused naming the adapter's, --no-add-eos changes the CE
+    other = root / "other"
+    if not other.exists():
+        tiny_model(tiny_tokenizer(), seed=1).save_pretrained(other)
+        tiny_tokenizer().save_pretrained(other)
+    assert main(["generate", *adapter, *prompt, "--model", str(other)]) == 2
+    assert "fitted on model" in capsys.readouterr().err
+    assert main(["evaluate", *adapter, "--n-test", "10", "--no-add-eos", "--out", "ev2", "--quiet"]) == 0
+    assert json.loads((tmp_path / "ev2" / "results.json").read_text())["settings"]["add_eos"] is False
+    # an adapter of an earlier loca: only the task's name, which is no built-in task
+    legacy = {k: v for k, v in cfg.items() if k not in ("task_source", "task_path", "template", "add_eos")}
+    (out / "adapter" / "loca_adapter.json").write_text(json.dumps(legacy))
+    assert main(["evaluate", *adapter, "--out", "ev3", "--quiet"]) == 2
+    assert "does not record its task file (it was fitted on the user task 'task')" in capsys.readouterr().err
+
+
+def test_version_and_a_bad_flag_shows_its_subcommands_usage(capsys):
+    from loca import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"loca {__version__}"
+    for command in ("fit", "evaluate", "tasks"):
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--out", "x", "--bogus"] if command != "tasks" else [command, "--bogus"])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2
+        assert err.startswith(f"usage: loca {command} ") and f"loca {command}: error: unrecognized" in err
+
+
+def test_an_adapters_task_is_a_default_below_the_flags():
+    """What an adapter records of its task, under the flags: another built-in --task brings its
+    own template and EOS setting, a --task FILE keeps the adapter's; a recorded template is taken
+    as it was (a backslash in it is not read as an escape)."""
+    import argparse
+
+    from loca.cli.args import data_from_adapter
+    from loca.data import get_task
+
+    template = "Q: {question}\\tA\n:"  # a literal backslash-t, and a newline
+    record = {"task_source": "sst2", "task_path": None, "template": template, "add_eos": False}
+    defaults, add_eos = data_from_adapter(argparse.Namespace(adapter="ad"), record)
+    assert get_task(defaults["task"], defaults["template"]).template == template and add_eos is False
+    assert data_from_adapter(argparse.Namespace(adapter="ad", task="boolq"), record) == ({}, None)
+    defaults, add_eos = data_from_adapter(argparse.Namespace(adapter="ad", task="other.jsonl"), record)
+    assert defaults["task"] == "sst2" and add_eos is False  # the --task flag wins over this default

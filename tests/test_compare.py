@@ -420,3 +420,50 @@ def test_r_ceiling_on_hand_made_cells():
     row_a = next(line for line in table.splitlines() if line.startswith("| a |"))  # the test CE table
     assert row_a.endswith("| 0.50 ± 0.00 |")  # the 2 seeds with a ceiling (seed 2 has none: no "(2/3)")
     assert "median R_ceiling (vs Adapter-BP (predict) where it ran, else Adapter-BP)" in table
+
+
+@pytest.mark.unit
+def test_report_defects_of_issue_23():
+    """The title names the methods that ran; R_acc over a one-item LoRA gain is flagged, not 6.00;
+    the console line rounds the medians to 2 decimals."""
+    from loca.compare.report import headline, rows_from_cells, summarize, table_markdown
+    from loca.eval.metrics import RECOVERY_FLAG
+
+    cells = []
+    for seed, lora_acc in ((0, 0.71), (1, 0.74)):  # LoRA's gain: 1 item of 100, then 4
+        for method, ce, acc in (("frozen", 4.0, 0.70), ("lora", 1.0, lora_acc), ("loca", 1.0149, 0.76)):
+            cell = _cell("a", seed, method, ce, acc)
+            cell["test"]["n_test"] = 100
+            cells.append(cell)
+    rows = rows_from_cells(cells)
+    r_acc = {r["seed"]: r["R_acc"] for r in rows if r["method"] == "loca"}
+    assert r_acc[0] is None and r_acc[1] == pytest.approx(1.5)  # 6 items / 1 item: flagged
+    table = table_markdown(rows)
+    assert table.splitlines()[0] == "# tiny: Frozen vs LoRA vs LoCA"  # no MeZO that did not run
+    acc_row = [line for line in table.splitlines() if line.startswith("| a |")][2]  # the acc table
+    assert acc_row.endswith("| 1.50 (1/2) |")
+    head = summarize(rows)["loca_vs_lora"]
+    assert head["median_R_CE"] == pytest.approx(0.9950333333)
+    line = headline(head)
+    assert line == "LoCA vs LoRA: CE below LoRA in 0/1 tasks, median R_CE 1.00, median R_acc 1.50"
+    head["median_R_acc"] = None  # every seed flagged
+    assert headline(head).endswith(f"median R_acc {RECOVERY_FLAG}")
+
+
+@pytest.mark.unit
+def test_the_steps_plot_draws_every_step_of_an_adaptive_trajectory():
+    """Adaptive LoCA's η moves every step: its trajectory is its λ, so the steps plot shows all
+    of its steps, not only the two taken at the selected η; a fixed-η fit keeps its (η, λ)."""
+    from loca.compare.plots import _adaptive, _selected_curve
+
+    etas = [0.01, 0.02, 0.01, 0.02, 0.04, 0.02]
+    history = [{"candidate": None, "step": 0, "heldout_ce": 4.0}] + [
+        {"candidate": {"eta": eta, "lam_rel": 0.001}, "step": i + 1, "heldout_ce": 3.0 - 0.1 * i}
+        for i, eta in enumerate(etas)
+    ]
+    fit = {"selected": {"eta": 0.01, "lam_rel": 0.001}, "history": history}
+    cell = {"key": {"config": {"step_control": "adaptive"}}}
+    assert _adaptive(cell) and not _adaptive({"key": {"config": {"step_control": "fixed"}}})
+    assert not _adaptive({"key": {}})
+    assert _selected_curve(fit, adaptive=True)[0] == [0, 1, 2, 3, 4, 5, 6]
+    assert _selected_curve(fit)[0] == [0, 1, 3]  # a fixed control's trajectory is its (η, λ)

@@ -201,10 +201,14 @@ def test_bad_encoding_and_empty_file(tmp_path):
         load_local(tmp_path / "nope.jsonl")
 
 
-def test_trailing_blank_line_is_an_error_not_dropped(tmp_path):
+def test_trailing_blank_lines_are_accepted_and_a_blank_line_between_items_is_an_error(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text(json.dumps(GOOD) + "\n\n")
-    with pytest.raises(DataError) as err:
+    assert load_local(f) == load_local(write_jsonl(tmp_path / "u.jsonl", [GOOD]))
+    f.write_text(json.dumps(GOOD) + "\r\n  \n\n")  # CRLF, whitespace-only: blank too
+    assert len(load_local(f)) == 1
+    f.write_text(json.dumps(GOOD) + "\n\n" + json.dumps({**GOOD, "id": "other"}) + "\n")
+    with pytest.raises(DataError, match="empty line") as err:
         load_local(f)
     assert err.value.line == 2
 

@@ -246,6 +246,12 @@ def test_recovery_forms_and_flags():
     assert recovery_ce(float("nan"), 1.0, 0.5) is None
     assert recovery_ce(2.444, 1.642, 2.438, tol=1e-4) == pytest.approx(0.802 / 0.006)
     assert recovery_acc(0.5, 0.6, 0.5) is None  # LoRA no better than frozen
+    # a gain of one or two test items is too small for a ratio, counted exactly (0.71 - 0.70 is
+    # 0.010000000000000009 in floating point, just above the one-point tolerance)
+    assert recovery_acc(0.70, 0.76, 0.71) == pytest.approx(6.0)
+    assert recovery_acc(0.70, 0.76, 0.71, n_test=100) is None
+    assert recovery_acc(0.70, 0.82, 0.74, n_test=50) is None  # 2 items of 50
+    assert recovery_acc(0.70, 0.82, 0.76, n_test=50) == pytest.approx(2.0)  # 3 items
 
 
 @pytest.mark.unit

@@ -8,6 +8,7 @@ Typical use::
 
     import loca  # later, on a plain Hugging Face model
     adapters = loca.from_pretrained(model, "runs/sst2/adapter")  # attached; adapters.unload() removes
+    model, tokenizer, adapters = loca.load_adapted("runs/sst2/adapter")  # or base + adapter in one call
 
 The building blocks: :class:`Calibrator` (Stage I), :func:`fit` (Stage II), :mod:`loca.eval.evaluation`.
 """
@@ -15,7 +16,7 @@ The building blocks: :class:`Calibrator` (Stage I), :func:`fit` (Stage II), :mod
 from .config import DataConfig, LocaConfig, ModelConfig
 from .core.head import LogitTransform, head_loss_and_error
 from .core.ridge import NonFiniteStatisticsError
-from .method.adapters import ResidualAdapters, from_pretrained
+from .method.adapters import ResidualAdapters, from_pretrained, load_adapted
 from .method.artefacts import CheckpointMismatchError
 from .method.calibrate import Calibrator, calibrate
 from .method.fit import FitResult, fit
@@ -48,6 +49,7 @@ __all__ = [
     "fit",
     "from_pretrained",
     "head_loss_and_error",
+    "load_adapted",
     "load_model",
     "select_probe",
 ]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .config import DataConfig, LocaConfig, ModelConfig, sections_from_dict
-from .data import Batch, Encoded, Splits, degenerate_warnings, encode_examples, get_task, load_splits
+from .data import TASKS, Batch, Encoded, Splits, degenerate_warnings, encode_examples, get_task, load_splits
 from .data import load_test as load_test_split
 from .data.batching import make_batches, pad_token_id, padding_fraction
 from .data.encoding import content_fingerprint, count_truncated
@@ -33,6 +33,7 @@ from .infra import distributed
 from .infra.runs import require_finite
 from .infra.versions import versions
 from .method.adapters import ResidualAdapters
+from .method.artefacts import BASE_KEYS, TASK_KEYS, source_record
 from .method.calibrate import Calibrator
 from .method.fit import FitResult, check_rank
 from .method.maps import FeedbackMaps
@@ -46,7 +47,9 @@ log = logging.getLogger("loca")
 
 class Pipeline:
     """A LoCA run from its configuration sections. Data and model load lazily, once; the model
-    may also be given (``model=`` and ``tokenizer=``) to run on one already in memory."""
+    may also be given (``model_object=`` and ``tokenizer=``) to run on one already in memory.
+    ``revision``: the commit, branch or tag to load a hub id at (``loca evaluate --adapter`` passes
+    the one the adapter records)."""
 
     def __init__(
         self,
@@ -57,11 +60,13 @@ class Pipeline:
         progress: bool = True,
         model_object=None,
         tokenizer=None,
+        revision: str | None = None,
     ):
         self.model_config = model or ModelConfig()
         self.data = data or DataConfig()
         self.cfg = loca or LocaConfig()
         self.progress = progress
+        self.revision = revision
         self.task = get_task(self.data.task, template=self.data.template)
         self._splits: Splits | None = None
         self._model = None
@@ -69,6 +74,7 @@ class Pipeline:
         self._truncated: dict[str, int] = {}
         self._batched: tuple[list[Batch], list[Batch]] | None = None
         self._calibrator: Calibrator | None = None
+        self._named_model = model_object is None  # loaded from model.model (not given in memory)
         if model_object is not None:
             if tokenizer is None:
                 raise ValueError("Pipeline(model_object=...) needs its tokenizer too")
@@ -143,6 +149,7 @@ class Pipeline:
                 random_init=m.random_init,
                 trust_remote_code=m.trust_remote_code,
                 device_map=m.device_map,
+                revision=self.revision,
             )
             self._set_model(model, tokenizer)
         return self
@@ -316,6 +323,23 @@ class Pipeline:
             "versions": versions(),
         }
 
+    def adapter_record(self) -> dict:
+        """What the run's adapter config records of what it was fitted on, so that
+        :func:`loca.load_adapted`, ``loca generate --adapter`` and ``loca evaluate --adapter`` find
+        it again: the base model as named (``base_model``, plus ``base_model_path`` for a local
+        folder; only when this pipeline loaded it by name, else the adapter's own record of the
+        model's ``_name_or_path`` stays), the task's name, its source as given (``task_source``,
+        ``task_path``), its template and ``add_eos``."""
+        named = source_record(self.model_config.model, BASE_KEYS) if self._named_model else {}
+        task = self.data.task if isinstance(self.data.task, str) else (self.task.path or self.task.name)
+        return {
+            **named,
+            "task": self.task.name,
+            **source_record(task, TASK_KEYS, local=task not in TASKS),
+            "template": self.task.template,
+            "add_eos": self.cfg.add_eos,
+        }
+
     def run(
         self,
         out: str | Path | None = None,
@@ -367,7 +391,7 @@ class Pipeline:
         state = RunFolder.saved_state(out, self.parts, run) if resume else None
         if state:
             log.info(f"resuming after iteration {state.iteration} of {self.cfg.max_iters}")
-        extra = {"task": self.task.name, "feedback_rank": None, "loca": self.cfg.to_dict()}
+        extra = {**self.adapter_record(), "feedback_rank": None, "loca": self.cfg.to_dict()}
         writer = RunFolder(target, extra, state.history if state else [], run) if main else None
         if main and not resume:
             writer.config(self.record(str(maps) if maps else None))

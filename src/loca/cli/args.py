@@ -33,7 +33,9 @@ from ..config import (
     preset_values,
     sections_from_dict,
 )
+from ..data import TASKS
 from ..data.sources import resolve_data_dir
+from ..method.artefacts import read_adapter_config, recorded_base, recorded_task
 from ..pipeline import Pipeline
 
 log = logging.getLogger("loca")
@@ -253,10 +255,64 @@ def sections_from_args(
     return model_config_from_args(args), data, config_from_args(args)
 
 
-def pipeline_from_args(args: argparse.Namespace, **data_defaults) -> Pipeline:
-    """The run the flags describe (nothing loaded yet)."""
-    model, data, cfg = sections_from_args(args, **data_defaults)
-    return Pipeline(model, data, cfg, progress=not getattr(args, "quiet", False))
+def pipeline_from_args(args: argparse.Namespace, adapter: dict | None = None, **data_defaults) -> Pipeline:
+    """The run the flags describe (nothing loaded yet). ``adapter``: an adapter folder's config,
+    whose base model (at its revision) is loaded unless the model is named
+    (:func:`model_from_adapter`)."""
+    model, revision = model_from_adapter(args, adapter)
+    data = resolve_section(args, "data", **data_defaults)
+    cfg = config_from_args(args)
+    return Pipeline(model, data, cfg, progress=not getattr(args, "quiet", False), revision=revision)
+
+
+def given(args: argparse.Namespace, section: str, name: str) -> bool:
+    """Whether a flag or ``--config FILE`` sets field ``name`` of ``section``."""
+    return hasattr(args, name) or name in _file_sections(args).get(section, {})
+
+
+def adapter_config(args: argparse.Namespace) -> dict | None:
+    """The config of the ``--adapter`` folder (read without the model), or None without one."""
+    return read_adapter_config(args.adapter) if getattr(args, "adapter", None) else None
+
+
+def model_from_adapter(args: argparse.Namespace, config: dict | None) -> tuple[ModelConfig, str | None]:
+    """The model section (:func:`resolve_section`) with the base model an adapter ``config``
+    records below the flags and ``--config`` (so ``--model`` still wins), and the revision to
+    load it at (the recorded one, when the recorded model is the one loaded). An adapter that
+    records no base model needs ``--model``."""
+    if config is None:
+        return model_config_from_args(args), None
+    recorded, revision = recorded_base(config)
+    if recorded is None and not given(args, "model", "model"):
+        raise ValueError(f"--adapter {args.adapter} does not record its base model; pass --model")
+    model = resolve_section(args, "model", **({"model": recorded} if recorded else {}))
+    return model, revision if recorded is not None and model.model == recorded else None
+
+
+def data_from_adapter(args: argparse.Namespace, config: dict) -> tuple[dict, bool | None]:
+    """``(data defaults, add_eos)`` from what an adapter ``config`` records of its task: the task
+    and template (below the flags and ``--config``: ``--task`` and ``--template`` win) and
+    ``add_eos``. A ``--task`` naming another built-in task brings its own template and EOS
+    setting; a ``--task FILE`` keeps the adapter's template and EOS setting unless told. An
+    adapter of an earlier loca records only its task's name: a built-in task is found by it, a
+    user task needs ``--task``."""
+    record = recorded_task(config)
+    task_given = given(args, "data", "task")
+    if "task" not in record and config.get("task") in TASKS:
+        record["task"] = config["task"]
+    if "task" not in record and not task_given:
+        fitted = f" (it was fitted on the user task {config['task']!r})" if config.get("task") else ""
+        raise ValueError(
+            f"--adapter {args.adapter} does not record its task file{fitted}; pass --task (and --template)"
+        )
+    if task_given:
+        task = getattr(args, "task", None) or _file_sections(args)["data"]["task"]
+        if task in TASKS and task != record.get("task"):
+            return {}, None
+    defaults = {k: record[k] for k in ("task", "template") if k in record}
+    if "template" in defaults:  # as a flag would give it: a backslash in it stays one
+        defaults["template"] = defaults["template"].replace("\\", "\\\\")
+    return defaults, record.get("add_eos")
 
 
 def given_loca_flags(args: argparse.Namespace) -> set[str]:

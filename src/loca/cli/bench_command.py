@@ -142,9 +142,35 @@ def run(args: argparse.Namespace) -> int:
     for name, v in ratios.items():
         mem = f"{v['peak_mem']:.2f}x" if v["peak_mem"] is not None else "n/a"
         print(f"{name:22} time {v['time']:.2f}x  peak memory {mem}")
-    print(f"statistics: {stat_bytes}")
+    print(statistics_table(stat_bytes))
     print(table)
     return 0
+
+
+STATISTICS_LABELS = {
+    "stage2_statistics": "Stage II statistics (float64, r² + k·r per block)",
+    "feedback_maps": "feedback maps (float32, 2·d·k per block)",
+    "adapter_b": "adapters' B (float32, d·r per block)",
+    "adapter_a": "adapters' A (float32, d·r per block)",
+}
+
+
+def statistics_table(stat_bytes: dict) -> str:
+    """The sizes of what LoCA holds besides the model (``bench.json``'s ``statistics_bytes``), one
+    line each, in bytes and a readable unit."""
+    width = max(len(STATISTICS_LABELS.get(k, k)) for k in stat_bytes)
+    lines = ["what LoCA holds besides the model:"]
+    for key, n in stat_bytes.items():
+        lines.append(f"  {STATISTICS_LABELS.get(key, key):{width}}  {_readable(n):>10}  ({n:,} bytes)")
+    return "\n".join(lines)
+
+
+def _readable(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def _caption(setup: dict) -> str:

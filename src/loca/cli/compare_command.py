@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..compare import CompareSettings, MethodConfigs, run_compare
 from ..compare.methods import LOCA, baseline_options
-from ..compare.report import write_report
+from ..compare.report import headline, write_report
 from ..compare.store import CellStore
 from ..infra import distributed
 from ..infra.runs import RunFolderError, RunLock, prepare_run_dir, run_command
@@ -138,13 +138,5 @@ def run(args: argparse.Namespace) -> int:
     print(open(f"{args.out}/table.md").read())
     head = report["summary"].get("loca_vs_lora")
     if head:
-        print(
-            f"LoCA vs LoRA: CE below LoRA in {head['loca_ce_below_lora']}/{len(head['tasks'])} tasks, "
-            f"median R_CE {head['median_R_CE']}, median R_acc {head['median_R_acc']}"
-            + (
-                f", median R_ceiling {head['median_R_ceiling']}"
-                if head.get("median_R_ceiling") is not None
-                else ""
-            )
-        )
+        print(headline(head))
     return 0

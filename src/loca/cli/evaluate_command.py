@@ -7,12 +7,17 @@ and the settings to ``OUT/results.json`` (atomically). Example::
     loca evaluate --model smollm2-135m-instruct --task arc_easy --n-test 200 --out runs/eval
 
 The test set is drawn as in ``loca fit`` (same task, ``--n-test`` and ``--seed`` give the same
-examples), so a fit's adapter can be evaluated again with ``--adapter RUN/adapter``.
+examples), so a fit's adapter can be evaluated again with ``--adapter RUN/adapter``: without
+``--model`` and ``--task`` the base model, task, template and ``--add-eos`` are those the adapter
+records (flags given win; ``--task`` naming another built-in task brings its own template)::
+
+    loca evaluate --adapter runs/sst2/adapter --n-test 200 --out runs/eval
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,12 +28,17 @@ from ..infra.runs import prepare_run_dir, require_finite, undefined_as_none
 from ..infra.versions import versions
 from ..models.parts import fingerprint
 from .args import (
+    adapter_config,
     add_dataclass_args,
     add_model_args,
     add_output_args,
+    data_from_adapter,
+    given,
     pipeline_from_args,
     warn,
 )
+
+log = logging.getLogger("loca")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sample (a fit's seed gives its test set)",
     )
     g = p.add_argument_group("run")
-    g.add_argument("--adapter", default=None, help="saved LoCA adapter folder (from `loca fit`) to attach")
+    g.add_argument(
+        "--adapter",
+        default=None,
+        help="saved LoCA adapter folder (from `loca fit`) to attach; its recorded base model, task, "
+        "template and EOS setting are used unless --model, --task, --template, --add-eos are given",
+    )
     g.add_argument("--out", required=True, help="output folder; receives results.json")
     g.add_argument(
         "--overwrite", action="store_true", help="replace an earlier `loca evaluate` run's results in --out"
@@ -56,9 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    pipeline = pipeline_from_args(args, n_test=0)
+    record = adapter_config(args)  # the adapter's base model, task, template and EOS setting
+    data_defaults, add_eos = data_from_adapter(args, record) if record else ({}, None)
+    pipeline = pipeline_from_args(args, record, n_test=0, **data_defaults)
     if not hasattr(args, "add_eos"):
-        pipeline.cfg = replace(pipeline.cfg, add_eos=pipeline.task.add_eos)
+        pipeline.cfg = replace(pipeline.cfg, add_eos=pipeline.task.add_eos if add_eos is None else add_eos)
+    if record is not None:  # say what came from the adapter
+        recorded = lambda section, name: "" if given(args, section, name) else " (the adapter's)"  # noqa: E731
+        log.info(
+            f"base model {pipeline.model_config.model}{recorded('model', 'model')}, task {pipeline.task.name}"
+            f"{recorded('data', 'task')}"
+        )
     prepare_run_dir(
         args.out,
         "evaluate",

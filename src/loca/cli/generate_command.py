@@ -20,7 +20,7 @@ import torch
 
 from ..method.adapters import from_pretrained
 from ..models.parts import context_length, load_model
-from .args import add_model_args, add_output_args, model_config_from_args
+from .args import adapter_config, add_model_args, add_output_args, model_from_adapter
 
 log = logging.getLogger("loca")
 
@@ -41,13 +41,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-new-tokens must be at least 1")
     if not args.prompt:
         raise ValueError('--prompt is empty: give the text to continue, e.g. --prompt "Once upon a time"')
-    m = model_config_from_args(args)
+    m, revision = model_from_adapter(args, adapter_config(args))  # the adapter's base model
     model, tokenizer = load_model(
         m.model,
         device=m.device,
         dtype=m.dtype,
         random_init=m.random_init,
         trust_remote_code=m.trust_remote_code,
+        revision=revision,
     )
     text = args.prompt
     if args.chat:

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from .. import __version__
 from . import (
     bench_command,
     calibrate_command,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="loca", description="Forward-only tuning of frozen language models (LoCA)."
     )
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    parser.add_argument("--version", action="version", version=f"loca {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, recipe in COMMANDS.items():
         p = sub.add_parser(
@@ -45,14 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         recipe.add_arguments(p)
-        p.set_defaults(_run=recipe.run)
+        p.set_defaults(_run=recipe.run, _parser=p)
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed; an unknown flag is reported with the usage of the subcommand it
+    was given to (argparse would show the top-level usage), and exits with status 2."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. An error ends in one line on stderr (exit 2 for bad input, 1 for any
     other failure); ``loca --debug ...`` shows the traceback instead."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from ..infra import distributed
 
     distributed.init_from_env(getattr(args, "device", None) or "auto")  # under torchrun

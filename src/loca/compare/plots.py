@@ -26,17 +26,27 @@ def _best_so_far(history: list[dict]) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
-def _selected_curve(fit: dict) -> tuple[list[int], list[float]]:
-    """The selected candidate's held-out CE against its step (the frozen model at step 0)."""
+def _selected_curve(fit: dict, adaptive: bool = False) -> tuple[list[int], list[float]]:
+    """The selected trajectory's held-out CE against its step (the frozen model at step 0). A
+    trajectory is a candidate (η, λ), or, with LoCA's ``adaptive`` step control, whose η moves
+    every step, a λ: all its steps, not only those taken at the selected η."""
+    history = fit["history"]
     chosen = fit["selected"] or None
-    rows = [r for r in fit["history"] if r["candidate"] is None or r["candidate"] == chosen]
     if chosen is None:  # frozen won: show the candidate that reached the lowest CE
-        cands = [r for r in fit["history"] if r["candidate"] is not None and r["heldout_ce"] is not None]
-        if cands:
-            pick = min(cands, key=lambda r: r["heldout_ce"])["candidate"]
-            rows = [r for r in fit["history"] if r["candidate"] is None or r["candidate"] == pick]
+        cands = [r for r in history if r["candidate"] is not None and r["heldout_ce"] is not None]
+        chosen = min(cands, key=lambda r: r["heldout_ce"])["candidate"] if cands else None
+    if adaptive and chosen is not None:
+        same = lambda c: c.get("lam_rel") == chosen.get("lam_rel")  # noqa: E731
+    else:
+        same = lambda c: c == chosen  # noqa: E731
+    rows = [r for r in history if r["candidate"] is None or same(r["candidate"])]
     rows = sorted(rows, key=lambda r: r["step"])
     return [max(r["step"], 0) for r in rows], [r["heldout_ce"] for r in rows]
+
+
+def _adaptive(cell: dict) -> bool:
+    """Whether a cell is a LoCA fit with the adaptive step control (its key records its config)."""
+    return (cell.get("key", {}).get("config") or {}).get("step_control") == "adaptive"
 
 
 def write_plots(out: str | Path, cells: list[dict], rows: list[dict]) -> list[Path]:
@@ -60,7 +70,10 @@ def write_plots(out: str | Path, cells: list[dict], rows: list[dict]) -> list[Pa
                 if m == "frozen":
                     ax.axhline(fit["heldout_ce"], color=colors[m], ls=":", lw=1, label=label and "frozen")
                     continue
-                xs, ys = _best_so_far(fit["history"]) if "time" in fname else _selected_curve(fit)
+                if "time" in fname:
+                    xs, ys = _best_so_far(fit["history"])
+                else:
+                    xs, ys = _selected_curve(fit, _adaptive(c))
                 ax.plot(
                     xs,
                     ys,

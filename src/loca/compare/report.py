@@ -17,7 +17,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..eval.metrics import RECOVERY_FLAG, recovery_acc, recovery_ce
+from ..eval.metrics import RECOVERY_FLAG, RECOVERY_MIN_ITEMS, recovery_acc, recovery_ce
 from ..infra.io import atomic_write_json, atomic_write_text
 from .methods import CEILINGS, METHODS, REGISTRY, VARIANT, lookup
 from .store import jsonable
@@ -100,7 +100,7 @@ def rows_from_cells(cells: list[dict]) -> list[dict]:
         if frozen and lora and c["method"] not in ("frozen",):
             f, lo = frozen["test"], lora["test"]
             row["R_CE"] = recovery_ce(f["test_ce"], test["test_ce"], lo["test_ce"])
-            row["R_acc"] = recovery_acc(f["acc"], test["acc"], lo["acc"])
+            row["R_acc"] = recovery_acc(f["acc"], test["acc"], lo["acc"], n_test=lo.get("n_test"))
         row["R_ceiling"] = row["ceiling_method"] = None
         ceiling = next((m for m in CEILINGS if (c["task"], c["seed"], m) in by), None)
         if frozen and ceiling and loca_like(c["method"]):
@@ -192,6 +192,21 @@ def versus_lora(per_task: dict, rows: list[dict], method: str) -> dict:
     }
 
 
+def headline(head: dict, name: str = "LoCA") -> str:
+    """One line of :func:`versus_lora`'s counts for the console: ratios to 2 decimals
+    (:data:`RECOVERY_FLAG` where every seed's ratio was flagged)."""
+    ratio = lambda v: RECOVERY_FLAG if v is None else f"{v:.2f}"  # noqa: E731
+    return (
+        f"{name} vs LoRA: CE below LoRA in {head['loca_ce_below_lora']}/{len(head['tasks'])} tasks, "
+        f"median R_CE {ratio(head['median_R_CE'])}, median R_acc {ratio(head['median_R_acc'])}"
+        + (
+            f", median R_ceiling {ratio(head['median_R_ceiling'])}"
+            if head.get("median_R_ceiling") is not None
+            else ""
+        )
+    )
+
+
 def _wall(methods: dict, method: str) -> float:
     return methods[method]["fit_wall_time_s"]["mean"]
 
@@ -224,12 +239,13 @@ def table_markdown(rows: list[dict]) -> str:
     n = rows[0]
     ceiling = ceiling_label([r for r in rows if r["method"] == "loca"])
     lines = [
-        f"# {model}: frozen vs LoRA vs MeZO vs LoCA",
+        f"# {model}: " + " vs ".join(LABELS[m] for m in methods),
         "",
         f"Device {device}; {n['n_train']} train / {n['n_heldout']} held-out / {n['n_test']} test examples "
         f"per cell; seeds {', '.join(map(str, seeds))}; mean ± sample standard deviation over seeds. "
         f"R_CE and R_acc: LoCA against the same seed's LoRA ({RECOVERY_FLAG}: LoRA's gain too small "
-        "for a ratio; (k/n): only k of n seeds had a ratio)."
+        f"for a ratio: at most 1% of the frozen CE, one accuracy point or {RECOVERY_MIN_ITEMS} test "
+        "items; (k/n): only k of n seeds had a ratio)."
         + (
             " R_ceiling: LoCA's CE gain over the frozen model's relative to that of its own adapters "
             "trained by backprop (Adapter-BP, the same seed; the predict-credit run where it ran)."

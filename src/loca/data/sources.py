@@ -92,13 +92,14 @@ def parse_item(obj, default_id: str) -> Example:
 
 
 def load_local(path: str | Path) -> list[Example]:
-    """Read a JSON Lines file in loca's schema, validating every line strictly."""
+    """Read a JSON Lines file in loca's schema, validating every line strictly (blank lines at
+    the end of the file are no lines; a blank line before an item is an error)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
     raw = path.read_bytes()
     lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":  # the final newline ends the last line; it adds no line
+    while lines and not lines[-1].strip():  # the final newline, and blank lines after the last item
         lines.pop()
     examples: list[Example] = []
     first_line: dict[str, int] = {}

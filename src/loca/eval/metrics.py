@@ -167,6 +167,7 @@ def rank_choices(
 # --- recovery ------------------------------------------------------------------------------
 
 RECOVERY_TOL = 0.01
+RECOVERY_MIN_ITEMS = 2  # an accuracy gain of at most this many test items is too small for a ratio
 RECOVERY_FLAG = "‡"  # printed in place of a recovery ratio whose denominator is (near) zero
 
 
@@ -204,7 +205,21 @@ def recovery_ce(ce_frozen: float, ce_method: float, ce_lora: float, *, tol: floa
     return recovery(ce_frozen, ce_method, ce_lora, higher_is_better=False, tol=tol)
 
 
-def recovery_acc(acc_frozen: float, acc_method: float, acc_lora: float, *, tol: float = RECOVERY_TOL):
+def recovery_acc(
+    acc_frozen: float,
+    acc_method: float,
+    acc_lora: float,
+    *,
+    tol: float = RECOVERY_TOL,
+    n_test: int | None = None,
+    min_items: int = RECOVERY_MIN_ITEMS,
+):
     """``R_acc``: the share of LoRA's accuracy gain over the frozen model a method gets; None when
-    flagged (see :func:`recovery`)."""
+    flagged (see :func:`recovery`). With ``n_test`` (the number of test items the accuracies are
+    over) it is also flagged when LoRA's gain is at most ``min_items`` items (counted exactly, not
+    in floating point): a ratio over one or two items says nothing (one item more for the method
+    would move it by a half or more)."""
+    if n_test and acc_lora is not None and acc_frozen is not None and math.isfinite(acc_lora - acc_frozen):
+        if round((acc_lora - acc_frozen) * n_test) <= min_items:
+            return None
     return recovery(acc_frozen, acc_method, acc_lora, higher_is_better=True, tol=tol)

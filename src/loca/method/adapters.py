@@ -17,8 +17,16 @@ import torch
 from torch import Tensor
 
 from ..core import stacked
-from ..models.parts import ModelParts, find_parts, fingerprint
-from .artefacts import read_adapter, write_adapter
+from ..models.parts import ModelParts, find_parts, fingerprint, load_model
+from ..models.zoo import ALIASES, alias_dir
+from .artefacts import (
+    BASE_KEYS,
+    read_adapter,
+    read_adapter_config,
+    recorded_base,
+    source_record,
+    write_adapter,
+)
 
 
 class Recording(Protocol):
@@ -211,14 +219,16 @@ class ResidualAdapters:
             "hidden_size": self.parts.hidden_size,
             "num_blocks": self.parts.num_blocks,
             "fingerprint": fingerprint(self.parts),
-            "base_model": getattr(self.parts.model.config, "_name_or_path", None) or None,
+            **base_model_record(self.parts.model),
             "base_model_revision": getattr(self.parts.model.config, "_commit_hash", None),
         }
 
     def save_pretrained(self, directory: str | Path, extra: dict | None = None) -> Path:
         """Write the adapter folder (:func:`loca.method.artefacts.write_adapter`): A and B of every
-        block, the config and a model card. A is stored (r×d per block, small), so a loaded adapter
-        never depends on a random generator's stream. The write is atomic."""
+        block, the config and a model card. ``extra`` adds to the config: what it was fitted on
+        (``loca fit`` records the base model as named, the task, template and ``add_eos``). A is
+        stored (r×d per block, small), so a loaded adapter never depends on a random generator's
+        stream. The write is atomic."""
         tensors = {f"B.{i}": b.contiguous() for i, b in enumerate(self.get_b())}
         tensors.update({f"A.{i}": a.detach().cpu().contiguous() for i, a in enumerate(self.A)})
         return write_adapter(directory, tensors, {**self.config(), **(extra or {})})
@@ -250,3 +260,37 @@ def from_pretrained(model, directory: str | Path) -> ResidualAdapters:
     ``.detach()``) returns the frozen model, ``with adapters.disable_adapter():`` runs it for a
     while. Refused for another checkpoint than the one they were fitted on."""
     return ResidualAdapters.from_pretrained(model, directory).attach()
+
+
+def load_adapted(directory: str | Path, model: str | None = None, **kwargs):
+    """``(model, tokenizer, adapters)``: the base model an adapter folder records (as it was named:
+    alias, hub id at its recorded revision, or path), loaded by :func:`loca.models.parts.load_model`
+    (``kwargs``: ``device``, ``dtype``, ``trust_remote_code``, ``device_map``), with the adapters
+    attached (PEFT's ``AutoPeftModelForCausalLM.from_pretrained``). ``model`` loads another
+    checkpoint instead (refused unless it is the one the adapters were fitted on)::
+
+        model, tokenizer, adapters = loca.load_adapted("runs/sst2/adapter")
+    """
+    config = read_adapter_config(directory)
+    revision = kwargs.pop("revision", None)
+    if model is None:
+        model, recorded = recorded_base(config)
+        if model is None:
+            raise ValueError(
+                f"adapter {directory} does not record its base model; name it (model=..., or --model)"
+            )
+        revision = revision or recorded
+    base, tokenizer = load_model(model, revision=revision, **kwargs)
+    return base, tokenizer, from_pretrained(base, directory)
+
+
+def base_model_record(model) -> dict:
+    """``base_model`` and ``base_model_path`` (:func:`loca.method.artefacts.source_record`) of a
+    model loaded from ``model.config._name_or_path``: a built-in alias's folder is recorded as the
+    alias."""
+    name = getattr(model.config, "_name_or_path", None) or None
+    if name is None:
+        return dict.fromkeys(BASE_KEYS)
+    resolved = Path(name).expanduser().resolve()
+    alias = next((a for a in ALIASES if alias_dir(a).resolve() == resolved), None)
+    return source_record(alias, BASE_KEYS, local=False) if alias else source_record(name, BASE_KEYS)

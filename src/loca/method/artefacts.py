@@ -49,16 +49,12 @@ def read_adapter(
     """``(tensors, config, weights file)`` of an adapter folder made for the checkpoint whose
     fingerprint is ``current`` (folders with the legacy PEFT-like names load too)."""
     directory = Path(directory)
-    weights_name, cfg_name = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
-    if not (directory / cfg_name).is_file() and (directory / LEGACY_NAMES[1]).is_file():
-        weights_name, cfg_name = LEGACY_NAMES
-    cfg_path = directory / cfg_name
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{directory / ADAPTER_CONFIG} not found: not a LoCA adapter folder")
-    cfg = read_json_object(cfg_path)
-    if cfg.get("format") != "loca-adapter":
-        raise ValueError(f"{cfg_path}: not a LoCA adapter config (format {cfg.get('format')!r})")
-    check_fingerprint(cfg.get("fingerprint"), current, str(directory))
+    cfg, cfg_path = _adapter_config(directory)
+    weights_name = ADAPTER_WEIGHTS if cfg_path.name == ADAPTER_CONFIG else LEGACY_NAMES[0]
+    base = cfg.get("base_model")
+    check_fingerprint(
+        cfg.get("fingerprint"), current, f"{directory} (fitted on {base})" if base else str(directory)
+    )
     rank, seed = cfg.get("rank"), cfg.get("seed")
     if not isinstance(rank, int) or not 1 <= rank <= hidden_size or not isinstance(seed, int):
         raise ValueError(
@@ -66,6 +62,74 @@ def read_adapter(
             f"integer (got rank={rank!r}, seed={seed!r})"
         )
     return read_safetensors(directory / weights_name), cfg, directory / weights_name
+
+
+def read_adapter_config(directory: str | Path) -> dict:
+    """The config of an adapter folder (``loca_adapter.json``, or the legacy name), checked to be
+    a LoCA adapter's; the weights are not read and no checkpoint is needed (to learn which base
+    model and task the adapter records: :func:`recorded_base`, :func:`recorded_task`)."""
+    return _adapter_config(Path(directory))[0]
+
+
+def _adapter_config(directory: Path) -> tuple[dict, Path]:
+    cfg_path = directory / ADAPTER_CONFIG
+    if not cfg_path.is_file() and (directory / LEGACY_NAMES[1]).is_file():
+        cfg_path = directory / LEGACY_NAMES[1]
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{directory / ADAPTER_CONFIG} not found: not a LoCA adapter folder")
+    cfg = read_json_object(cfg_path)
+    if cfg.get("format") != "loca-adapter":
+        raise ValueError(f"{cfg_path}: not a LoCA adapter config (format {cfg.get('format')!r})")
+    return cfg, cfg_path
+
+
+# how an adapter config records what it was fitted on: (key of the name as given, key of its path)
+BASE_KEYS = ("base_model", "base_model_path")
+TASK_KEYS = ("task_source", "task_path")
+
+
+def source_record(name: str, keys: tuple[str, str], local: bool = True) -> dict:
+    """How an adapter config records a model or task named ``name`` (``keys``: :data:`BASE_KEYS`
+    or :data:`TASK_KEYS`): the name as the user gave it (alias, hub id, registry task or path),
+    and the absolute path when ``local`` and ``name`` is an existing file or folder (so that a
+    relative path still loads from another working directory), else None."""
+    path = Path(name).expanduser()
+    return {keys[0]: name, keys[1]: str(path.resolve()) if local and path.exists() else None}
+
+
+def _located(config: dict, keys: tuple[str, str]) -> str | None:
+    """The recorded name (see :func:`source_record`) in a form that loads from here: the name as
+    given, unless it is a path that does not exist from here and the recorded absolute path does."""
+    name, absolute = config.get(keys[0]), config.get(keys[1])
+    if not isinstance(name, str) or not name:
+        return None
+    if isinstance(absolute, str) and not Path(name).expanduser().exists() and Path(absolute).exists():
+        return absolute
+    return name
+
+
+def recorded_base(config: dict) -> tuple[str | None, str | None]:
+    """``(model, revision)``: the base model an adapter config records, as :func:`load_model
+    <loca.models.parts.load_model>` takes it (None if it records none), and its hub revision
+    (the commit it was loaded at, if any)."""
+    revision = config.get("base_model_revision")
+    return _located(config, BASE_KEYS), revision if isinstance(revision, str) else None
+
+
+def recorded_task(config: dict) -> dict:
+    """What an adapter config records of the task it was fitted on: ``task`` (a registry name or
+    a JSON Lines path that loads from here), ``template`` and ``add_eos``, each present only if
+    recorded. Adapters of earlier versions record only the task's name (``config["task"]``,
+    which for a user task is its file's stem): none of these."""
+    out = {}
+    task = _located(config, TASK_KEYS)
+    if task is not None:
+        out["task"] = task
+    if isinstance(config.get("template"), str):
+        out["template"] = config["template"]
+    if isinstance(config.get("add_eos"), bool):
+        out["add_eos"] = config["add_eos"]
+    return out
 
 
 def write_maps(directory: str | Path, tensors: dict[str, Tensor], config: dict) -> Path:
@@ -162,27 +226,42 @@ def _model_card(config: dict) -> str:
         "Residual low-rank adapters `h_l = hbar_l + B_l A_l h_{l-1}` for every transformer block,",
         "fitted forward-only by [loca](https://pypi.org/project/loca/) (Local Credit Assignment).",
         "",
-        f"- base model: `{config.get('base_model')}` (weights fingerprint "
+        f"- base model: `{config.get('base_model')}`"
+        + (f" at revision `{config['base_model_revision']}`" if config.get("base_model_revision") else "")
+        + " (weights fingerprint "
         f"`{config['fingerprint']['weights_sha256'][:16]}…`, {config['num_blocks']} blocks, "
         f"d = {config['hidden_size']})",
         f"- rank r = {config['rank']}, feedback rank k = {config.get('feedback_rank', 'n/a')}, "
         f"seed {config['seed']}",
         f"- task: {config.get('task', 'n/a')}; selection: held-out CE {sel.get('heldout_ce', 'n/a')} "
         f"at iteration {sel.get('iteration', 'n/a')} (η {sel.get('eta', 'n/a')})",
+        *_task_lines(config),
         *_metrics_lines(config.get("metrics")),
         "",
         "```python",
         "import loca",
-        "from transformers import AutoModelForCausalLM",
-        'model = AutoModelForCausalLM.from_pretrained("<the base model>")',
+        'model, tokenizer, adapters = loca.load_adapted("<this folder>")  # the base model it records',
+        "# or, on a model already loaded:",
         'adapters = loca.from_pretrained(model, "<this folder>")  # attached; .unload() removes them',
         "```",
+        "",
+        "`loca generate --adapter <this folder> --prompt ...` and `loca evaluate --adapter <this folder>",
+        "--out DIR` load the base model (and task) recorded here unless `--model` (`--task`) is given.",
         "",
         "Not a PEFT adapter: PEFT and transformers cannot load it; loca checks the base model's",
         "fingerprint and refuses another checkpoint.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _task_lines(config: dict) -> list[str]:
+    if "task_source" not in config:
+        return []
+    return [
+        f"- task source: `{config['task_source']}`; template {json.dumps(config.get('template'))}; "
+        f"add_eos {config.get('add_eos')}"
+    ]
 
 
 def _metrics_lines(metrics: dict | None) -> list[str]:

@@ -212,6 +212,7 @@ def load_model(
     seed: int = 0,
     trust_remote_code: bool = False,
     device_map: str | None = None,
+    revision: str | None = None,
 ):
     """Load ``(model, tokenizer)`` from a local folder, a built-in offline alias, a hub id, or
     ``arch:NAME`` (a published architecture with random weights, :mod:`loca.models.archs`).
@@ -222,6 +223,7 @@ def load_model(
         with a model folder or hub repo (``auto_map``) is never run unless ``trust_remote_code``.
         ``device_map`` (``auto``, ``balanced``, ``sequential``) spreads the model's blocks over the
         GPUs through accelerate, for a model larger than one device (``device`` is then ignored).
+        ``revision``: the commit, branch or tag of a hub id (ignored for folders and aliases).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -241,6 +243,8 @@ def load_model(
         path, random_init = arch_folder(name), True
     try:
         remote = {"trust_remote_code": trust_remote_code}
+        if revision is not None and isinstance(path, str) and not Path(path).exists():
+            remote["revision"] = revision  # a hub id's commit
         tokenizer = AutoTokenizer.from_pretrained(path, **remote)
         if random_init:
             from transformers.initialization import no_init_weights
