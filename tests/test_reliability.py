@@ -982,3 +982,34 @@ def test_swap_in_puts_the_old_entries_back_if_a_rename_fails(tmp_path, monkeypat
     monkeypatch.setattr(io_mod.os, "replace", real)
     swap_in(new, into, ("a", "b"))
     assert sorted(p.name for p in into.iterdir()) == ["a", "keep"] and (into / "a").read_text() == "new a"
+
+
+@pytest.mark.integration
+def test_a_truncated_model_safetensors_is_refused_naming_the_file(tmp_path, capsys):
+    root = save_model_and_task(tmp_path, 10)
+    weights = root / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code = main(
+        [
+            "fit",
+            "--model",
+            str(root / "model"),
+            "--task",
+            str(root / "task.jsonl"),
+            "--template",
+            "Q: {question}\nA:",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "run"),
+            "--n-train",
+            "4",
+            "--n-heldout",
+            "2",
+            "--n-test",
+            "2",
+            "--quiet",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code != 0 and str(weights) in err and "not a readable safetensors" in err

@@ -264,6 +264,13 @@ def load_model(
             f"could not load model {name!r}: not a model folder, not a built-in alias "
             f"({', '.join(ALIASES)}), and the hub could not provide it ({first})"
         ) from exc
+    except Exception as exc:
+        if "safetensor" not in type(exc).__name__.lower() or not Path(path).is_dir():
+            raise
+        files = ", ".join(str(p) for p in sorted(Path(path).glob("*.safetensors"))) or str(path)
+        raise ValueError(
+            f"{files}: not a readable safetensors weights file ({exc}); copy the model again"
+        ) from exc
     if target is not None:
         model.to(target)
     model.eval()
