@@ -467,3 +467,13 @@ def test_the_steps_plot_draws_every_step_of_an_adaptive_trajectory():
     assert not _adaptive({"key": {}})
     assert _selected_curve(fit, adaptive=True)[0] == [0, 1, 2, 3, 4, 5, 6]
     assert _selected_curve(fit)[0] == [0, 1, 3]  # a fixed control's trajectory is its (η, λ)
+
+
+@pytest.mark.unit
+def test_compare_settings_are_frozen_once_resolved():
+    import dataclasses
+
+    settings = CompareSettings(methods=["frozen", "loca"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.n_train = 5
+    assert dataclasses.replace(settings, n_train=5).n_train == 5 and settings.n_train == 1000

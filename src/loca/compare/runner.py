@@ -33,7 +33,7 @@ from .store import CellStore, digest, scope, scope_difference
 DEFAULT_TASKS = ["sst2", "boolq", "arc_easy", "obqa", "hellaswag"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompareSettings:
     """What a comparison runs: methods × tasks × seeds, and the sizes every cell shares."""
 
@@ -79,7 +79,7 @@ class CompareSettings:
                 )
         if not self.loca_abs_etas or min(self.loca_abs_etas) <= 0:
             raise ValueError("loca_abs_etas must be positive")
-        self._variants = self._parse_variants()  # read once; fails early on a malformed variant
+        object.__setattr__(self, "_variants", self._parse_variants())  # read once; fails early if malformed
 
     def variants(self) -> dict[str, dict]:
         """The LoCA variants by name (overrides of the LoCA configuration)."""
