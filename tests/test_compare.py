@@ -477,3 +477,18 @@ def test_compare_settings_are_frozen_once_resolved():
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.n_train = 5
     assert dataclasses.replace(settings, n_train=5).n_train == 5 and settings.n_train == 1000
+
+
+@pytest.mark.unit
+def test_time_to_quality_is_the_first_evaluation_at_or_below_the_target():
+    from loca.compare.report import time_to_reach
+
+    history = [
+        {"heldout_ce": 5.0, "elapsed_s": 1.0},
+        {"heldout_ce": None, "elapsed_s": 2.0},  # a rejected, non-finite step
+        {"heldout_ce": 0.9, "elapsed_s": 3.0},
+        {"heldout_ce": 0.5, "elapsed_s": 4.0},
+    ]
+    assert time_to_reach(history, 1.0) == 3.0
+    assert time_to_reach(history, 0.5) == 4.0
+    assert time_to_reach(history, 0.4) is None

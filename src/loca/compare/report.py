@@ -52,6 +52,7 @@ COLUMNS = [
     "step_unit",
     "improved",
     "time_to_best_s",
+    "time_to_loca_s",
     "fit_wall_time_s",
     "total_wall_time_s",
     "peak_memory_mb",
@@ -63,6 +64,15 @@ def loca_like(method: str) -> bool:
     """LoCA, LoCA with absolute η, or a LoCA variant: the methods that get an R_ceiling."""
     record = lookup(method)
     return record is not None and record.r_ceiling
+
+
+def time_to_reach(history: list[dict], target: float) -> float | None:
+    """Seconds from a method's start (LoCA: calibration included) to the first held-out
+    evaluation at or below ``target``; None if it never got there."""
+    for h in history:
+        if h.get("heldout_ce") is not None and h["heldout_ce"] <= target:
+            return h["elapsed_s"]
+    return None
 
 
 def rows_from_cells(cells: list[dict]) -> list[dict]:
@@ -86,6 +96,7 @@ def rows_from_cells(cells: list[dict]) -> list[dict]:
             "step_unit": fit["step_unit"],
             "improved": fit["improved"],
             "time_to_best_s": fit["time_to_best_s"],
+            "time_to_loca_s": None,
             "fit_wall_time_s": fit["wall_time_s"],
             "total_wall_time_s": c["wall_time_s"],
             "peak_memory_mb": c["peak_memory_mb"],
@@ -101,6 +112,9 @@ def rows_from_cells(cells: list[dict]) -> list[dict]:
             f, lo = frozen["test"], lora["test"]
             row["R_CE"] = recovery_ce(f["test_ce"], test["test_ce"], lo["test_ce"])
             row["R_acc"] = recovery_acc(f["acc"], test["acc"], lo["acc"], n_test=lo.get("n_test"))
+        loca = by.get((c["task"], c["seed"], "loca"))
+        if loca and c["method"] != "frozen":  # time to LoCA's selected held-out CE
+            row["time_to_loca_s"] = time_to_reach(fit["history"], loca["fit"]["heldout_ce"])
         row["R_ceiling"] = row["ceiling_method"] = None
         ceiling = next((m for m in CEILINGS if (c["task"], c["seed"], m) in by), None)
         if frozen and ceiling and loca_like(c["method"]):
@@ -316,6 +330,8 @@ def table_markdown(rows: list[dict]) -> str:
             best = _mean_spread([r["time_to_best_s"] for r in rs])[0]
             vals.append(f"{wall:.0f} ({best:.0f})" if rs else "–")
         lines.append(f"| {t} | " + " | ".join(vals) + " |")
+    if "loca" in methods:
+        lines.extend(["", *time_to_loca_markdown(tasks, [m for m in methods if m != "frozen"], cell)])
     lines.extend(
         [
             "",
@@ -331,6 +347,29 @@ def table_markdown(rows: list[dict]) -> str:
     if any(v != "loca" for v in variants(rows)):
         lines.extend(["", *variants_markdown(rows)])
     return "\n".join(lines) + "\n"
+
+
+def time_to_loca_markdown(tasks: list[str], methods: list[str], cell: dict) -> list[str]:
+    """Time to quality: per task, each method's seconds from its start to LoCA's selected held-out
+    CE (LoCA: calibration included), mean over the seeds that reached it; "–" where none did, and
+    (k/n) when only k of n seeds did."""
+    lines = [
+        "## Time (s) to LoCA's selected held-out CE, from the start (LoCA: calibration included)",
+        "",
+        "| task | " + " | ".join(LABELS[m] for m in methods) + " |",
+        "|---|" + "---|" * len(methods),
+    ]
+    for t in tasks:
+        vals = []
+        for m in methods:
+            times = [r["time_to_loca_s"] for r in cell[(t, m)]]
+            reached = [x for x in times if x is not None]
+            text = f"{statistics.mean(reached):.0f}" if reached else "–"
+            vals.append(
+                text + (f" ({len(reached)}/{len(times)})" if reached and len(reached) < len(times) else "")
+            )
+        lines.append(f"| {t} | " + " | ".join(vals) + " |")
+    return lines
 
 
 def variants_markdown(rows: list[dict]) -> list[str]:
