@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from tiny import SENTIMENT_TEMPLATE, save_model_and_task, sequences, tiny_parts
+from tiny import save_model_and_task, sequences, tiny_cli_args, tiny_parts
 
 from loca.bench.measure import measure_phases
 from loca.cli.main import main
@@ -38,18 +38,7 @@ def test_every_phase_runs_and_the_table_has_its_ratios(tmp_path):
     out = tmp_path / "bench"
     argv = [
         "bench",
-        "--model",
-        str(root / "model"),
-        "--task",
-        str(root / "task.jsonl"),
-        "--template",
-        SENTIMENT_TEMPLATE,
-        "--device",
-        "cpu",
-        "--rank",
-        "4",
-        "--feedback-rank",
-        "4",
+        *tiny_cli_args(root),
         "--n-train",
         "16",
         "--phases",

@@ -6,7 +6,7 @@ import shutil
 import statistics
 
 import pytest
-from tiny import SENTIMENT_TEMPLATE, save_tiny_model, write_sentiment_task
+from tiny import save_tiny_model, tiny_cli_args, write_sentiment_task
 
 from loca.cli.main import main
 from loca.eval.run_report import alignment_medians, read_run, read_runs, running_best, table_row, trajectories
@@ -32,18 +32,7 @@ def runs(tmp_path_factory):
     write_sentiment_task(root / "task.jsonl", 40, random.Random(0))
     common = [
         "fit",
-        "--model",
-        str(root / "model"),
-        "--task",
-        str(root / "task.jsonl"),
-        "--template",
-        SENTIMENT_TEMPLATE,
-        "--device",
-        "cpu",
-        "--rank",
-        "4",
-        "--feedback-rank",
-        "4",
+        *tiny_cli_args(root),
         "--n-train",
         "12",
         "--n-heldout",
