@@ -84,6 +84,15 @@ def test_two_gloo_processes_fit_what_one_process_fits(root, tmp_path, extra):
     assert names == sorted(p.name for p in one.iterdir())  # rank 1 wrote nothing extra
 
 
+def _leave() -> None:
+    """Leave the process group once every rank is done: a rank that tears its gloo connections
+    down while a peer still uses them can abort that peer at exit."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _dp_setup(rank: int, world: int, store: str):
     """One rank's process group, tiny float64 model, calibrated maps and batches."""
     import torch.distributed as dist
@@ -116,7 +125,6 @@ def _dp_setup(rank: int, world: int, store: str):
 
 def _worker(rank: int, world: int, store: str, result_file: str) -> None:
     """One rank: calibrate and fit a float64 tiny model on the shared data; rank 0 saves B."""
-    import torch.distributed as dist
 
     from loca.eval.evaluation import completion_ce
     from loca.method.a_init import principal_a
@@ -138,7 +146,7 @@ def _worker(rank: int, world: int, store: str, result_file: str) -> None:
     if rank == 0:
         torch.save(out, result_file)
     if world > 1:
-        dist.destroy_process_group()
+        _leave()
 
 
 def test_data_parallel_fit_equals_one_process_in_float64(tmp_path):
@@ -254,7 +262,7 @@ def _sum_worker(rank: int, world: int, store: str, result_file: str) -> None:
     dist.all_gather_object(gathered, sent)
     if rank == 0:
         torch.save({"calls": calls, "got": tensors, "sent": gathered}, result_file)
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_all_reduce_sum_packs_small_tensors_into_one_collective(tmp_path):
@@ -276,7 +284,6 @@ class _Stop(Exception):
 def _resume_worker(rank: int, world: int, store: str, folder: str) -> None:
     """Two ranks: a whole fit; then a fit stopped after iteration 2 (rank 0 writes the state, as
     ``loca fit`` does) and resumed from that file on every rank."""
-    import torch.distributed as dist
 
     from loca.infra import distributed
     from loca.method.fit import fit
@@ -308,7 +315,7 @@ def _resume_worker(rank: int, world: int, store: str, folder: str) -> None:
     resumed.adapters.detach()
     if rank == 0:
         torch.save(out, f"{folder}/result.pt")
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_a_data_parallel_fit_resumes_to_the_same_result(tmp_path):
@@ -433,7 +440,7 @@ def _different_data_worker(rank: int, world: int, store: str, root: str) -> None
         except ValueError as exc:
             errors[name] = str(exc)
     Path(root, f"errors{rank}.json").write_text(json.dumps(errors))
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_ranks_that_read_different_data_are_refused_at_the_start(tmp_path):
